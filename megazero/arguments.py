@@ -1,0 +1,411 @@
+"""Every command-line flag, with Megatron-LM's names and meanings, validation and derived values.
+
+``parse_args(argv)`` parses, merges an optional DeepSpeed JSON config (``--deepspeed-config``,
+its ``zero_optimization`` block filling the ZeRO flags), validates and derives, all before any
+process group exists. Invalid input exits with status 2 and one ``prog: error: ...`` line that
+names the flags and the numbers. Nothing here has side effects beyond reading the config file.
+
+Derived values, computed only in :func:`derive` (called by ``parse_args``):
+
+* ``world_size``                      -- from ``WORLD_SIZE`` / ``SLURM_NTASKS`` (default 1)
+* ``data_parallel_size``              -- ``world / (TP * PP)``
+* ``num_micro_batches``               -- ``global_batch / (micro_batch * DP)``
+* ``virtual_pipeline_model_parallel_size`` -- ``num_layers / (PP * layers_per_virtual_stage)``
+* ``padded_vocab_size``               -- vocab rounded up to a multiple of
+  ``make_vocab_size_divisible_by * TP`` (see :func:`padded_vocab_size`)
+* ``params_dtype``                    -- ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+
+import torch
+
+TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+
+# DeepSpeed ``zero_optimization`` keys megazero implements -> (our dest, type).
+ZERO_KEYS = {
+    "stage": ("zero_stage", int),
+    "overlap_comm": ("zero_overlap_comm", bool),
+    "contiguous_gradients": ("zero_contiguous_gradients", bool),
+    "reduce_bucket_size": ("zero_reduce_bucket_size", int),
+    "allgather_bucket_size": ("zero_allgather_bucket_size", int),
+    "stage3_prefetch_bucket_size": ("zero_prefetch_bucket_size", int),
+    "stage3_param_persistence_threshold": ("zero_param_persistence_threshold", int),
+    "stage3_max_live_parameters": ("zero_max_live_parameters", int),
+    "stage3_max_reuse_distance": ("zero_max_reuse_distance", int),
+}
+# Top-level DeepSpeed keys that map onto Megatron flags.
+TOP_KEYS = {
+    "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
+    "train_batch_size": ("global_batch_size", int),
+    "gradient_clipping": ("clip_grad", float),
+}
+FP16_KEYS = {
+    "initial_scale_power": ("initial_loss_scale", int),  # 2 ** power
+    "loss_scale": ("loss_scale", float),  # 0 means dynamic
+    "loss_scale_window": ("loss_scale_window", int),
+    "hysteresis": ("hysteresis", int),
+    "min_loss_scale": ("min_loss_scale", float),
+}
+
+
+def _int_like(text: str) -> int:
+    """Parse ``5e8`` / ``500000000`` / ``1_000`` as an int (DeepSpeed configs write floats)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    return int(value)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4*hidden (SwiGLU: 8/3*hidden, multiple of 64)")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads; default = heads")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    g = p.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global L2 norm clip; 0 disables")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration divisible by this")
+    g.add_argument("--exit-signal-handler", action="store_true", default=True,
+                   help="save and exit 0 on SIGTERM/SIGUSR1 (always on)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--pipeline-trace", default=None, metavar="FILE",
+                   help="write a Chrome-trace JSON of the pipeline schedule of one step")
+
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--load", default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only and reset iteration to 0")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="constant loss scale; default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32 (always on with --bf16)")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default nccl with CUDA, gloo otherwise")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+
+    g = p.add_argument_group("ZeRO (DeepSpeed names in --deepspeed-config)")
+    g.add_argument("--zero-stage", type=int, default=0)
+    g.add_argument("--zero-reduce-bucket-size", type=_int_like, default=500_000_000)
+    g.add_argument("--zero-allgather-bucket-size", type=_int_like, default=500_000_000)
+    g.add_argument("--zero-overlap-comm", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--zero-contiguous-gradients", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--zero-prefetch-bucket-size", type=_int_like, default=50_000_000)
+    g.add_argument("--zero-param-persistence-threshold", type=_int_like, default=100_000)
+    g.add_argument("--zero-max-live-parameters", type=_int_like, default=1_000_000_000)
+    g.add_argument("--zero-max-reuse-distance", type=_int_like, default=1_000_000_000)
+    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="DeepSpeed JSON; its zero_optimization block fills the --zero-* flags")
+
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None, help="prefix, or weight prefix weight prefix ...")
+    g.add_argument("--mock-data", action="store_true", help="random tokens instead of --data-path")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None, help="one of " + ", ".join(TOKENIZERS))
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    return p
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Dests of the flags that appear literally in ``argv`` (abbreviations are disabled)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    dests = set()
+    for action in parser._actions:
+        if any(opt in given for opt in action.option_strings):
+            dests.add(action.dest)
+    return dests
+
+
+def _fail(parser: argparse.ArgumentParser, message: str):
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _typed(parser, path: str, value, kind):
+    """Check a DeepSpeed config value's type; numbers like ``1e9`` count as ints."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            _fail(parser, f"--deepspeed-config: key '{path}' must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(parser, f"--deepspeed-config: key '{path}' must be a number, got {value!r}")
+    if kind is int:
+        if not math.isfinite(value) or value != int(value):
+            _fail(parser, f"--deepspeed-config: key '{path}' must be an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def apply_deepspeed_config(parser, args, explicit: set[str]) -> None:
+    """Fill flags from ``--deepspeed-config``; explicit command-line flags win."""
+    path = args.deepspeed_config
+    if not os.path.isfile(path):
+        _fail(parser, f"--deepspeed-config: file not found: {path}")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(parser, f"--deepspeed-config: {path} is not valid JSON: {e}")
+    if not isinstance(config, dict):
+        _fail(parser, f"--deepspeed-config: {path} must hold a JSON object")
+    ignored = []
+
+    def put(dest, value):
+        if dest not in explicit:
+            setattr(args, dest, value)
+
+    for key, value in config.items():
+        if key == "zero_optimization":
+            if not isinstance(value, dict):
+                _fail(parser, "--deepspeed-config: key 'zero_optimization' must be an object")
+            for zkey, zval in value.items():
+                if zkey in ZERO_KEYS:
+                    dest, kind = ZERO_KEYS[zkey]
+                    put(dest, _typed(parser, f"zero_optimization.{zkey}", zval, kind))
+                else:
+                    ignored.append(f"zero_optimization.{zkey}")
+        elif key in ("fp16", "bf16"):
+            if not isinstance(value, dict):
+                _fail(parser, f"--deepspeed-config: key '{key}' must be an object")
+            for sub, sval in value.items():
+                if sub == "enabled":
+                    if _typed(parser, f"{key}.enabled", sval, bool):
+                        put(key, True)
+                elif key == "fp16" and sub in FP16_KEYS:
+                    dest, kind = FP16_KEYS[sub]
+                    v = _typed(parser, f"fp16.{sub}", sval, kind)
+                    if sub == "initial_scale_power":
+                        v = 2.0 ** v
+                    if sub == "loss_scale":
+                        v = None if v == 0 else v
+                    put(dest, v)
+                else:
+                    ignored.append(f"{key}.{sub}")
+        elif key in TOP_KEYS:
+            dest, kind = TOP_KEYS[key]
+            put(dest, _typed(parser, key, value, kind))
+        else:
+            ignored.append(key)
+    if ignored:
+        warnings.warn(f"--deepspeed-config {path}: keys not implemented by megazero, ignored: {', '.join(ignored)}",
+                      stacklevel=2)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp`` (each TP shard equal)."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def set_padded_vocab_size(args, vocab_size: int) -> None:
+    """Record the tokenizer's vocab size and its padded size on ``args``."""
+    args.vocab_size = vocab_size
+    args.padded_vocab_size = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+
+
+def world_size_from_env(env=os.environ) -> int:
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(key):
+            return int(env[key])
+    return 1
+
+
+def derive(args) -> None:
+    """Compute every derived value (one place). Assumes :func:`validate` passed."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    args.data_parallel_size = args.world_size // (tp * pp)
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None and args.hidden_size:
+        args.ffn_hidden_size = (int(8 * args.hidden_size / 3 / 64) * 64 or 64) if args.swiglu else 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.num_layers_per_virtual_pipeline_stage:
+        args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
+    else:
+        args.virtual_pipeline_model_parallel_size = None
+    if args.micro_batch_size and args.global_batch_size:
+        args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    args.padded_vocab_size = None
+    if args.vocab_size is not None and args.tokenizer_type in (None, "NullTokenizer"):
+        set_padded_vocab_size(args, args.vocab_size)
+
+
+def validate(parser, args) -> None:
+    """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does."""
+    err = lambda msg: _fail(parser, msg)  # noqa: E731
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, name) < 1:
+            err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if world % (tp * pp):
+        err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = world // (tp * pp)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    h, heads = args.hidden_size, args.num_attention_heads
+    if h is not None and h % tp:
+        err(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}")
+    if heads is not None:
+        if heads % tp:
+            err(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+        if h is not None and args.kv_channels is None and h % heads:
+            err(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}")
+        groups = args.num_query_groups
+        if groups is not None:
+            if groups < 1 or heads % groups:
+                err(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+            if groups % tp:
+                err(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers is not None:
+        if args.num_layers % pp:
+            err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        per_vp = args.num_layers_per_virtual_pipeline_stage
+        if per_vp is not None:
+            if pp == 1:
+                err("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            if per_vp < 1 or args.num_layers % (pp * per_vp):
+                err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                    f"--num-layers-per-virtual-pipeline-stage {per_vp} = {pp * per_vp}")
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if mbs is not None and gbs is not None:
+        if gbs % (mbs * dp):
+            err(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
+                f"= {mbs * dp}")
+        m = gbs // (mbs * dp)
+        if args.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and m % pp:
+            err(f"with interleaving, the number of micro-batches {m} (--global-batch-size {gbs} / "
+                f"(--micro-batch-size {mbs} x DP {dp})) must be a multiple of --pipeline-model-parallel-size {pp}")
+    if args.fp16 and args.bf16:
+        err("--fp16 and --bf16 are mutually exclusive")
+    if args.sequence_parallel and tp == 1:
+        warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turning it off", stacklevel=2)
+        args.sequence_parallel = False
+    if (args.position_embedding_type == "learned_absolute" and args.seq_length is not None
+            and args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings):
+        err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings} "
+            "with learned absolute positions")
+    if args.zero_stage not in (0, 1, 2, 3):
+        err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    for dest in ("zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_prefetch_bucket_size",
+                 "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
+        if getattr(args, dest) < 0:
+            err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
+    if args.load is not None and not os.path.isdir(args.load):
+        err(f"--load directory does not exist: {args.load}")
+    if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
+        err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        err("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
+        err("--recompute-method needs --recompute-num-layers")
+    if args.lr_warmup_iters < 0:
+        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None):
+    """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 on bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.world_size = world_size if world_size is not None else world_size_from_env()
+    if args.group_query_attention and args.num_query_groups is None:
+        _fail(parser, "--group-query-attention needs --num-query-groups")
+    if args.deepspeed_config:
+        apply_deepspeed_config(parser, args, _explicit_dests(parser, argv))
+    validate(parser, args)
+    derive(args)
+    return args

@@ -1,0 +1,186 @@
+"""The rank grid and every process group of a 3D-parallel run.
+
+Ranks are laid out in Megatron-LM's order: tensor-parallel fastest, then data-parallel, then
+pipeline-parallel::
+
+    rank = tp_rank + TP * dp_rank + TP * DP * pp_rank
+
+so ``grid = arange(world).view(PP, DP, TP)`` and a rank's coordinates are its index in that
+grid. Groups are slices of the grid:
+
+* ``tp``             -- ``grid[pp, dp, :]``  (the TP peers: consecutive ranks, same node)
+* ``dp``             -- ``grid[pp, :, tp]``  (replicas of the same model shard)
+* ``pp``             -- ``grid[:, dp, tp]``  (the stages of one pipeline)
+* ``model_parallel`` -- ``grid[:, dp, :]``   (everything holding one model replica)
+* ``embedding``      -- first and last stage of each pipeline (tied word embeddings)
+* ``position_embedding`` -- the first stage of each pipeline
+
+Nothing here is module-level state: a :class:`Topology` is an ordinary object, so two of them
+can live side by side in one test.  Rank lists are computed without any process group
+(:func:`layout`); :meth:`Topology.create_groups` then creates the real groups.  Every rank must
+create every group, in the same order, which ``create_groups`` guarantees.
+
+Run ``python -m megazero.topology --world-size 16 --tensor-model-parallel-size 2
+--pipeline-model-parallel-size 4`` to print the groups as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding")
+
+
+def layout(world_size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
+    """Return every group kind's rank lists for ``world_size`` ranks (no process groups).
+
+    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * pp``.
+    """
+    if tp < 1 or pp < 1 or world_size < 1:
+        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}")
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} = {tp * pp}")
+    dp = world_size // (tp * pp)
+    grid = torch.arange(world_size).view(pp, dp, tp)
+    groups = {
+        "tp": grid.reshape(-1, tp).tolist(),
+        "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),
+        "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist(),
+        "model_parallel": grid.permute(1, 0, 2).reshape(dp, -1).tolist(),
+    }
+    ends = sorted({0, pp - 1})
+    groups["embedding"] = [[r[i] for i in ends] for r in groups["pp"]]
+    groups["position_embedding"] = [[r[0]] for r in groups["pp"]]
+    return groups
+
+
+@dataclass
+class Topology:
+    """This rank's place in a (TP, PP, DP) grid, with its process groups once created.
+
+    ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank; it shapes
+    no group but belongs to the layout, so it lives here too.
+    """
+
+    world_size: int
+    rank: int
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    groups: dict = field(default_factory=dict, repr=False)  # kind -> ProcessGroup of this rank
+    rank_lists: dict = field(default_factory=dict, repr=False)  # kind -> this rank's group ranks
+
+    def __post_init__(self) -> None:
+        all_groups = layout(self.world_size, self.tp, self.pp)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+        self.dp = self.world_size // (self.tp * self.pp)
+        self.tp_rank = self.rank % self.tp
+        self.dp_rank = (self.rank // self.tp) % self.dp
+        self.pp_rank = self.rank // (self.tp * self.dp)
+        for kind, lists in all_groups.items():
+            mine = [ranks for ranks in lists if self.rank in ranks]
+            self.rank_lists[kind] = mine[0] if mine else []
+
+    # ---- coordinates -------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping around, for virtual stages)."""
+        return self.rank_lists["pp"][(self.pp_rank + 1) % self.pp]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wrapping around)."""
+        return self.rank_lists["pp"][(self.pp_rank - 1) % self.pp]
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return bool(self.rank_lists["embedding"])
+
+    def group(self, kind: str):
+        """This rank's process group of ``kind`` (one of :data:`GROUP_KINDS`), or None."""
+        if kind not in GROUP_KINDS:
+            raise KeyError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+        if not self.groups:
+            raise RuntimeError("process groups not created; call Topology.create_groups() first")
+        return self.groups.get(kind)
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def model_parallel_group(self):
+        return self.group("model_parallel")
+
+    @property
+    def embedding_group(self):
+        return self.group("embedding")
+
+    # ---- process groups ----------------------------------------------------------------
+    def create_groups(self, backend: str | None = None) -> "Topology":
+        """Create every group of every kind (collective: all ranks call it, same order).
+
+        Requires ``torch.distributed`` initialized with this topology's world size.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized")
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"topology world size {self.world_size} != process group world size {dist.get_world_size()}")
+        for kind, lists in layout(self.world_size, self.tp, self.pp).items():
+            seen = set()
+            for ranks in lists:
+                key = tuple(ranks)
+                if key in seen:  # e.g. embedding == position_embedding lists when PP == 1
+                    continue
+                seen.add(key)
+                group = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks and kind not in self.groups:
+                    self.groups[kind] = group
+        return self
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} dp {self.dp_rank}/{self.dp} "
+                f"pp {self.pp_rank}/{self.pp} vp {self.vp}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megazero.topology",
+                                     description="Print the process groups of a layout as JSON.")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        groups = layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    json.dump(groups, sys.stdout, indent=None)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
