@@ -1,0 +1,151 @@
+"""Flags, DeepSpeed-config merging, validation rules (status 2, one line) and derived values."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megazero.arguments import padded_vocab_size, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "16"]
+
+
+def parse(extra, world_size=8, base=BASE):
+    return parse_args(base + list(extra), world_size=world_size, prog="pretrain_gpt.py")
+
+
+def fails(capsys, extra, *needles, world_size=8, base=BASE):
+    with pytest.raises(SystemExit) as exc:
+        parse(extra, world_size, base)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("pretrain_gpt.py: error:"), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+def test_derived_values():
+    a = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--num-layers-per-virtual-pipeline-stage", "1", "--vocab-size", "1000", "--bf16"])
+    assert a.data_parallel_size == 2 and a.num_micro_batches == 4
+    assert a.virtual_pipeline_model_parallel_size == 2
+    assert a.padded_vocab_size == 1024 and padded_vocab_size(50257, 128, 8) == 51200
+    assert a.params_dtype == torch.bfloat16 and a.accumulate_allreduce_grads_in_fp32
+    assert a.ffn_hidden_size == 256 and a.kv_channels == 16 and a.num_query_groups == 4
+    assert a.max_position_embeddings == 32 and a.lr_decay_iters is None
+    assert parse(["--swiglu", "--hidden-size", "384"]).ffn_hidden_size == 1024
+    assert parse(["--fp16"]).params_dtype == torch.float16
+    assert parse([]).params_dtype == torch.float32
+
+
+@pytest.mark.parametrize("extra,world,needles", [
+    (["--tensor-model-parallel-size", "3"], 8, ["world size 8", "--tensor-model-parallel-size 3"]),
+    (["--tensor-model-parallel-size", "8", "--hidden-size", "60"], 8, ["--hidden-size 60", "8"]),
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 8,
+     ["--num-attention-heads 6", "--tensor-model-parallel-size 4"]),
+    (["--num-query-groups", "3"], 8, ["--num-attention-heads 4", "--num-query-groups 3"]),
+    (["--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 8,
+     ["--num-query-groups 1", "--tensor-model-parallel-size 2"]),
+    (["--pipeline-model-parallel-size", "8", "--global-batch-size", "2"], 8,
+     ["--num-layers 4", "--pipeline-model-parallel-size 8"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 8,
+     ["--num-layers 4", "--num-layers-per-virtual-pipeline-stage 3"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 8, ["--pipeline-model-parallel-size > 1"]),
+    (["--global-batch-size", "12"], 8, ["--global-batch-size 12", "--micro-batch-size 2", "8"]),
+    (["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "12"], 8, ["number of micro-batches 3", "--pipeline-model-parallel-size 4"]),
+    (["--fp16", "--bf16"], 8, ["--fp16", "--bf16"]),
+    (["--max-position-embeddings", "16"], 8, ["--seq-length 32", "--max-position-embeddings 16"]),
+    (["--zero-stage", "4"], 8, ["--zero-stage", "4"]),
+    (["--zero-reduce-bucket-size", "-5"], 8, ["--zero-reduce-bucket-size", "-5"]),
+    (["--zero-max-live-parameters", "-1"], 8, ["--zero-max-live-parameters"]),
+    (["--load", "/nonexistent/ckpt"], 8, ["--load", "/nonexistent/ckpt"]),
+    (["--tokenizer-type", "BertTokenizer"], 8, ["--tokenizer-type", "BertTokenizer"]),
+    (["--recompute-method", "uniform"], 8, ["--recompute-method", "--recompute-granularity full"]),
+])
+def test_validation_rules(capsys, extra, world, needles):
+    fails(capsys, extra, *needles, world_size=world)
+
+
+def test_sequence_parallel_without_tp_warns_and_turns_off():
+    with pytest.warns(UserWarning, match="--sequence-parallel"):
+        a = parse(["--sequence-parallel"])
+    assert a.sequence_parallel is False
+    assert parse(["--sequence-parallel", "--tensor-model-parallel-size", "2"]).sequence_parallel
+
+
+def test_rope_allows_long_sequences():
+    assert parse(["--max-position-embeddings", "16", "--position-embedding-type", "rope"]).seq_length == 32
+
+
+def write(tmp_path, obj, name="ds.json"):
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+SEED_CONFIG = {"zero_optimization": {
+    "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+    "reduce_bucket_size": 1, "stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 1,
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}}
+
+
+def test_deepspeed_config_fills_zero_flags(tmp_path):
+    path = write(tmp_path, SEED_CONFIG)
+    with pytest.warns(UserWarning, match=r"zero_optimization\.sub_group_size") as rec:
+        a = parse(["--deepspeed-config", path])
+    assert len(rec) == 1
+    assert a.zero_stage == 3 and a.zero_overlap_comm and a.zero_contiguous_gradients
+    assert a.zero_reduce_bucket_size == 1 and a.zero_prefetch_bucket_size == 1
+    assert a.zero_param_persistence_threshold == 1
+    assert a.zero_max_live_parameters == 10 ** 9 and isinstance(a.zero_max_live_parameters, int)
+    assert a.zero_max_reuse_distance == 10 ** 9
+
+
+def test_deepspeed_config_explicit_flag_wins_and_precision(tmp_path):
+    path = write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
+                            "bf16": {"enabled": True}, "gradient_clipping": 0.5})
+    a = parse(["--deepspeed-config", path, "--zero-stage", "1", "--zero-reduce-bucket-size=1e6"])
+    assert a.zero_stage == 1 and a.zero_reduce_bucket_size == 10 ** 6
+    assert a.bf16 and a.params_dtype == torch.bfloat16 and a.clip_grad == 0.5
+    path = write(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale": 0}}, "f.json")
+    a = parse(["--deepspeed-config", path])
+    assert a.fp16 and a.initial_loss_scale == 2.0 ** 16 and a.loss_scale is None
+
+
+def test_deepspeed_config_errors(capsys, tmp_path):
+    fails(capsys, ["--deepspeed-config", str(tmp_path / "missing.json")], "missing.json", "not found")
+    fails(capsys, ["--deepspeed-config", write(tmp_path, "{not json")], "not valid JSON")
+    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"stage": "three"}})],
+          "zero_optimization.stage", "'three'")
+    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"overlap_comm": 1}})],
+          "zero_optimization.overlap_comm")
+    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"reduce_bucket_size": 1.5}})],
+          "zero_optimization.reduce_bucket_size", "integer")
+    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"stage": 7}})], "--zero-stage", "7")
+
+
+def test_world_size_from_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert parse_args(BASE).data_parallel_size == 4
+
+
+def test_help_lists_groups_and_validation_exits_cleanly():
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for group in ("network size", "regularization", "training", "initialization", "learning rate",
+                  "checkpointing", "mixed precision", "distributed", "ZeRO", "validation", "data", "logging"):
+        assert f"\n{group}" in out.stdout, group
+    bad = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE, "--tensor-model-parallel-size", "3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={"WORLD_SIZE": "8", "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: world size 8")

@@ -1,0 +1,95 @@
+"""The rank grid (Megatron order), the groups' JSON CLI, and real groups on 8 forked ranks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.testing import RankFailure, RankTimeout, run_distributed
+from megazero.topology import Topology, layout
+
+
+def test_megatron_documented_groups_world16_tp2_pp4():
+    g = layout(16, tp=2, pp=4)
+    assert [0, 1] in g["tp"] and len(g["tp"]) == 8
+    assert [0, 2] in g["dp"] and len(g["dp"]) == 8
+    assert [0, 4, 8, 12] in g["pp"] and len(g["pp"]) == 4
+    assert [0, 12] in g["embedding"]
+    assert [0, 1, 4, 5, 8, 9, 12, 13] in g["model_parallel"]
+    assert g["position_embedding"][0] == [0]
+    t = Topology(16, 13, tp=2, pp=4)
+    assert (t.tp_rank, t.dp_rank, t.pp_rank, t.dp) == (1, 0, 3, 2)
+    assert t.rank_lists["embedding"] == [1, 13] and t.is_last_stage
+    assert t.next_rank == 1 and t.prev_rank == 9  # wraps around for virtual stages
+
+
+def test_every_rank_in_exactly_one_group_per_kind():
+    for world, tp, pp in [(8, 2, 2), (8, 1, 8), (12, 2, 3), (1, 1, 1)]:
+        g = layout(world, tp, pp)
+        for kind in ("tp", "dp", "pp", "model_parallel"):
+            flat = sorted(r for ranks in g[kind] for r in ranks)
+            assert flat == list(range(world)), kind
+        for rank in range(world):
+            t = Topology(world, rank, tp=tp, pp=pp)
+            assert rank == t.tp_rank + tp * t.dp_rank + tp * t.dp * t.pp_rank
+
+
+def test_layout_rejects_indivisible_world():
+    with pytest.raises(ValueError, match="world size 8 is not divisible by TP 3"):
+        layout(8, tp=3)
+
+
+def test_cli_prints_json():
+    out = subprocess.run([sys.executable, "-m", "megazero.topology", "--world-size", "16",
+                          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+                         capture_output=True, text=True, check=True)
+    groups = json.loads(out.stdout)
+    assert set(groups) >= {"tp", "dp", "pp", "model_parallel", "embedding"}
+    assert groups["embedding"][0] == [0, 12]
+    bad = subprocess.run([sys.executable, "-m", "megazero.topology", "--world-size", "6",
+                          "--tensor-model-parallel-size", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not divisible" in bad.stderr
+
+
+def _group_sums(rank, world_size, tp, pp):
+    topo = Topology(world_size, rank, tp=tp, pp=pp).create_groups()
+    other = Topology(world_size, rank, tp=pp, pp=tp)  # a second topology coexists (no globals)
+    sums = {}
+    for kind in ("tp", "dp", "pp", "model_parallel", "embedding"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=topo.group(kind))
+        sums[kind] = t.item()
+    return sums, topo.rank_lists, other.rank_lists["tp"]
+
+
+def test_real_groups_all_reduce_on_8_ranks():
+    results = run_distributed(_group_sums, 8, 2, 2)
+    for rank, (sums, lists, other_tp) in enumerate(results):
+        for kind, total in sums.items():
+            assert total == sum(lists[kind]), (rank, kind)
+        assert rank in other_tp
+    # rank 5 = tp 1, dp 0, pp 1 in an (TP 2, PP 2, DP 2) grid
+    assert results[5][1]["tp"] == [4, 5] and results[5][1]["dp"] == [5, 7] and results[5][1]["pp"] == [1, 5]
+    assert results[5][1]["embedding"] == [1, 5]
+
+
+def _fails_on_rank_2(rank, world_size):
+    if rank == 2:
+        raise ValueError("injected failure")
+    dist.barrier()
+
+
+def _sleeps(rank, world_size):
+    import time
+    time.sleep(60)
+
+
+def test_harness_reports_failing_rank_and_kills_on_timeout():
+    with pytest.raises(RankFailure, match=r"first: rank 2") as exc:
+        run_distributed(_fails_on_rank_2, 4, grace_s=2)
+    assert "injected failure" in str(exc.value)
+    with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] of 2 did not finish"):
+        run_distributed(_sleeps, 2, timeout_s=1.5)
