@@ -1,0 +1,237 @@
+"""Tokenizers chosen by ``--tokenizer-type``.
+
+Every tokenizer exposes ``vocab_size`` (number of ids the model must embed, before padding),
+``eod`` (the end-of-document id that ``--append-eod`` appends), ``tokenize(text) -> list[int]``
+and ``detokenize(ids) -> str``.
+
+* ``SentencePieceTokenizer`` (``--tokenizer-model m.model``): ids straight from sentencepiece.
+  ``eod`` is the id of the piece ``<eod>`` if the model has one (``tools/train_tokenizer.py``
+  names sentencepiece's end-of-sentence piece so), otherwise sentencepiece's ``eos_id``.
+* ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): GPT-2's byte-level
+  BPE. Text -> UTF-8 bytes; the text is first split with GPT-2's regular expression
+  (contractions ``'s 't 're 've 'm 'll 'd``, an optional space plus letters, plus digits, plus
+  other symbols, then whitespace runs that leave their last space to the next word); each piece's
+  bytes are mapped to printable unicode characters by GPT-2's reversible byte table, then merged
+  by rank order (lowest rank first, all non-overlapping occurrences left to right) until no
+  ranked pair is left; each resulting symbol is looked up in ``vocab.json``. This is exactly
+  OpenAI's ``encoder.py`` algorithm, so the ids equal GPT-2's for any text (the literal string
+  ``<|endoftext|>`` in text is *not* treated as special, as in Megatron). ``eod`` is
+  ``<|endoftext|>``. Results per word are memoised in a per-instance bounded cache.
+* ``NullTokenizer`` (``--vocab-size N``): text is whitespace-separated integer ids in ``[0, N)``.
+  Like Megatron-LM's, it adds one id for end of document: ``eod = N`` and ``vocab_size = N + 1``.
+"""
+from __future__ import annotations
+
+import json
+
+__all__ = [
+    "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "build_tokenizer",
+    "bytes_to_unicode", "GPT2_PATTERN", "vocab_size_with_padding",
+]
+
+# GPT-2's pre-tokenization pattern (OpenAI encoder.py), for the `regex` package (\p classes).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_EOD = "<|endoftext|>"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table.
+
+    Bytes that are printable Latin-1 characters ('!'..'~', '¡'..'¬', '®'..'ÿ': 188 of them) map
+    to themselves; the other 68 bytes, in increasing order, map to chr(256), chr(257), ...
+    So a space (0x20) becomes 'Ġ' (chr(288)) and a newline (0x0A) becomes 'Ċ' (chr(266)).
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    kept = set(keep)
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in kept:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return dict(sorted(table.items()))
+
+
+class GPT2BPETokenizer:
+    """Byte-level BPE with GPT-2's vocab.json / merges.txt (see the module docstring)."""
+
+    def __init__(self, vocab_file: str, merge_file: str, cache_size: int = 1 << 17):
+        import regex
+
+        with open(vocab_file, encoding="utf-8") as f:
+            self.encoder: dict[str, int] = json.load(f)
+        self.decoder = {i: s for s, i in self.encoder.items()}
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        if lines and lines[0].startswith("#version"):
+            lines = lines[1:]
+        merges = [tuple(line.split()) for line in lines if line.strip()]
+        bad = [m for m in merges if len(m) != 2]
+        if bad:
+            raise ValueError(f"{merge_file}: malformed merge line {' '.join(bad[0])!r}")
+        self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        # One str per byte value: faster than a dict lookup per byte in the hot loop.
+        self._byte_chars = [self.byte_encoder[b] for b in range(256)]
+        self.pattern = regex.compile(GPT2_PATTERN)
+        self._cache: dict[str, list[int]] = {}
+        self._cache_size = cache_size
+        if GPT2_EOD not in self.encoder:
+            raise ValueError(f"{vocab_file}: no {GPT2_EOD!r} token (needed as eod)")
+        self._eod = self.encoder[GPT2_EOD]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.encoder)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def bpe(self, word: str) -> list[str]:
+        """Merge the characters of one byte-mapped word by rank; returns its symbols."""
+        symbols = list(word)
+        ranks = self.bpe_ranks
+        while len(symbols) > 1:
+            best, best_rank = None, None
+            for pair in zip(symbols, symbols[1:]):
+                r = ranks.get(pair)
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = pair, r
+            if best is None:
+                break
+            first, second = best
+            merged, i, n = [], 0, len(symbols)
+            while i < n:
+                if i < n - 1 and symbols[i] == first and symbols[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(symbols[i])
+                    i += 1
+            symbols = merged
+        return symbols
+
+    def _word_ids(self, piece: str) -> list[int]:
+        ids = self._cache.get(piece)
+        if ids is None:
+            chars = self._byte_chars
+            word = "".join(chars[b] for b in piece.encode("utf-8"))
+            try:
+                ids = [self.encoder[s] for s in self.bpe(word)]
+            except KeyError as e:
+                raise KeyError(f"BPE symbol {e.args[0]!r} is not in vocab.json") from None
+            if len(self._cache) >= self._cache_size:
+                self._cache.clear()
+            self._cache[piece] = ids
+        return ids
+
+    def tokenize(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self.pattern.findall(text):
+            out.extend(self._word_ids(piece))
+        return out
+
+    def detokenize(self, ids) -> str:
+        text = "".join(self.decoder[int(i)] for i in ids)
+        return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece ``.model``; ``eod`` is piece ``<eod>`` if present, else ``eos_id``."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece as spm
+
+        self.model_file = model_file
+        self.sp = spm.SentencePieceProcessor(model_file=model_file)
+        eod = self.sp.piece_to_id("<eod>")
+        if eod == self.sp.unk_id() or self.sp.id_to_piece(eod) != "<eod>":
+            eod = self.sp.eos_id()
+        if eod < 0:
+            raise ValueError(f"{model_file}: no <eod> piece and no eos id to use as eod")
+        self._eod = eod
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.vocab_size()
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, out_type=int, num_threads=1)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def __getstate__(self):
+        return {"model_file": self.model_file}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_file"])
+
+
+class NullTokenizer:
+    """Whitespace-separated integer ids; ``eod = N``, ``vocab_size = N + 1`` (as Megatron-LM)."""
+
+    def __init__(self, vocab_size: int):
+        self._n = int(vocab_size)
+        if self._n <= 0:
+            raise ValueError("NullTokenizer needs --vocab-size > 0")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = [int(x) for x in text.split()]
+        for i in ids:
+            if not 0 <= i < self._n:
+                raise ValueError(f"NullTokenizer: id {i} outside [0, {self._n})")
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(args):
+    """Build the tokenizer named by ``args.tokenizer_type`` from Megatron's flags.
+
+    Reads ``tokenizer_model`` (SentencePieceTokenizer), ``vocab_file`` and ``merge_file``
+    (GPT2BPETokenizer), ``vocab_size`` (NullTokenizer). Missing attributes count as unset.
+    """
+    kind = getattr(args, "tokenizer_type", None)
+
+    def need(attr, flag):
+        value = getattr(args, attr, None)
+        if value is None:
+            raise ValueError(f"--tokenizer-type {kind} needs {flag}")
+        return value
+
+    if kind == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(need("tokenizer_model", "--tokenizer-model"))
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(need("vocab_file", "--vocab-file"),
+                                need("merge_file", "--merge-file"))
+    if kind == "NullTokenizer":
+        return NullTokenizer(need("vocab_size", "--vocab-size"))
+    raise ValueError(f"unknown --tokenizer-type {kind!r}; expected SentencePieceTokenizer, "
+                     "GPT2BPETokenizer or NullTokenizer")
+
+
+def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                            tensor_model_parallel_size: int = 1) -> int:
+    """Megatron's padded vocabulary: round up to a multiple of divisible_by * TP size."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
