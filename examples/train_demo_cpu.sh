@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The `make train` demo: a small GPT on the bundled KJV corpus, 8 CPU ranks, full 3D parallelism:
+# TP 2 x PP 2 (2 virtual stages each, interleaved 1F1B) x DP 2 with ZeRO stage 2, bf16 params
+# with fp32 master weights, evaluation, TensorBoard logs and checkpoints.
+#
+#   bash examples/train_demo_cpu.sh            (run tools/prepare_demo_data.sh first)
+#   TRAIN_ITERS=300 OUT=runs/demo bash examples/train_demo_cpu.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+DATA="${DATA:-data/prepared}"
+OUT="${OUT:-runs/demo}"
+TRAIN_ITERS="${TRAIN_ITERS:-150}"
+mkdir -p "$OUT"
+
+CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1
+  --sequence-parallel --zero-stage 2 --bf16
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
+  --attention-dropout 0.0 --hidden-dropout 0.0
+  --micro-batch-size 4 --global-batch-size 32 --train-iters "$TRAIN_ITERS"
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0
+  --data-path "$DATA/kjv_text_document" --split 98,2,0
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/kjv_sp.model"
+  --log-interval 10 --eval-interval 50 --eval-iters 2
+  --save "$OUT/checkpoints" --save-interval 100 --tensorboard-dir "$OUT/tensorboard")
+
+echo "megazero demo: running"
+printf '  %q' "${CMD[@]}"; echo
+OMP_NUM_THREADS=1 "${CMD[@]}" 2>&1 | tee "$OUT/train.log"
+echo "megazero demo: log        $OUT/train.log"
+echo "megazero demo: TensorBoard tensorboard --logdir $OUT/tensorboard"
+echo "megazero demo: checkpoint $OUT/checkpoints (latest: $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo none))"

@@ -1,0 +1,91 @@
+"""Megatron-format log lines, TensorBoard scalars and the model-FLOPs throughput formula.
+
+The per-iteration line (printed by the last rank, which owns the loss) is Megatron-LM's, field
+for field, so existing log parsers keep working::
+
+     iteration      100/    1000 | consumed samples:         3200 | elapsed time per iteration (ms): 512.3 | ...
+
+TensorBoard scalars use Megatron's names (``lm loss``, ``learning-rate``, ``loss-scale``,
+``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``, ``lm loss validation``,
+``lm loss validation ppl``), each also written as ``<name> vs samples`` against consumed samples.
+
+Model FLOPs per iteration (Megatron's formula; forward + backward = 3 forward passes, 2 FLOPs per
+multiply-add, causal attention counted in full)::
+
+    F = 12 * B * s * L * h^2 * ( (1 + g/a + s/h) * (a * d / h)  +  (f / h) * m  +  V / (2 * L * h) )
+
+with batch B (global), sequence s, layers L, hidden h, heads a, query groups g, head dim d,
+FFN size f, m = 3/2 for SwiGLU (three matrices) else 1, and padded vocab V.
+Throughput per GPU = F / (iteration time * world size) in TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def model_flops_per_iteration(args, batch_size: int | None = None) -> float:
+    B = batch_size if batch_size is not None else args.global_batch_size
+    s, L, h = args.seq_length, args.num_layers, args.hidden_size
+    a, g = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
+    d = args.kv_channels or h // a
+    f = args.ffn_hidden_size or 4 * h
+    m = 1.5 if args.swiglu else 1.0
+    V = args.padded_vocab_size or args.vocab_size or 0
+    return 12.0 * B * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + (f / h) * m + V / (2.0 * L * h))
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, iteration_ms: float,
+                   tflops_per_gpu: float, lr: float, global_batch_size: int, losses: dict[str, float],
+                   loss_scale: float, grad_norm: float | None, skipped: int, nans: int) -> str:
+    """Megatron's per-iteration log line."""
+    parts = [f" iteration {iteration:8d}/{train_iters:8d} |",
+             f" consumed samples: {consumed_samples:12d} |",
+             f" elapsed time per iteration (ms): {iteration_ms:.1f} |",
+             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |",
+             f" learning rate: {lr:.6E} |",
+             f" global batch size: {global_batch_size:5d} |"]
+    parts += [f" {name}: {value:.6E} |" for name, value in losses.items()]
+    parts.append(f" loss scale: {loss_scale:.1f} |")
+    if grad_norm is not None:
+        parts.append(f" grad norm: {grad_norm:.3f} |")
+    parts += [f" number of skipped iterations: {skipped:3d} |", f" number of nan iterations: {nans:3d} |"]
+    return "".join(parts)
+
+
+def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
+    ppl = math.exp(min(20.0, loss))
+    text = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    bar = "-" * (len(text) + 1)
+    return f"{bar}\n{text}\n{bar}"
+
+
+class TensorBoardLogger:
+    """One ``SummaryWriter`` (created only on the rank that owns the loss) with paired scalars."""
+
+    def __init__(self, log_dir: str | None, enabled: bool):
+        self.writer = None
+        if log_dir and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, values: dict[str, float], iteration: int, consumed_samples: int) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is None:
+                continue
+            self.writer.add_scalar(name, value, iteration)
+            self.writer.add_scalar(f"{name} vs samples", value, consumed_samples)
+
+    def text(self, name: str, text: str, iteration: int = 0) -> None:
+        if self.writer is not None:
+            self.writer.add_text(name, text, iteration)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

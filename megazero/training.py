@@ -1,0 +1,249 @@
+"""The pretraining loop: schedule step, ZeRO optimizer step, LR, evaluation, logs, checkpoints.
+
+One iteration is one global batch: ``M = global_batch / (micro_batch * DP)`` micro-batches
+through the selected pipeline schedule (no pipelining, 1F1B or interleaved 1F1B), gradient
+reduction and the (sharded) optimizer step, then the LR scheduler. The last rank, which owns
+the loss, prints Megatron's log line and writes TensorBoard. ``SIGTERM``/``SIGUSR1`` (sent by
+SLURM before preemption) makes every rank save at the end of the current iteration and exit 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megazero import checkpointing as ckpt
+from megazero.distributed import init_distributed
+from megazero.logger import TensorBoardLogger, iteration_line, model_flops_per_iteration, validation_line
+from megazero.lr_scheduler import LRScheduler
+from megazero.topology import Topology
+from megazero.train_state import (ExitSignal, build_datasets, build_model_and_optimizer, micro_batch_iterator,
+                                  restore_rng, rng_state)
+
+
+def _print_rank(rank: int, target: int, text: str) -> None:
+    if rank == target:
+        print(text, flush=True)
+
+
+class Trainer:
+    """Owns everything one rank needs to train; built by :func:`pretrain`."""
+
+    def __init__(self, args, topo: Topology, device: torch.device):
+        self.args, self.topo, self.device = args, topo, device
+        self.rank, self.last_rank = dist.get_rank(), dist.get_world_size() - 1
+        self.iteration, self.consumed_samples = 0, 0
+        self.skipped, self.nans = 0, 0
+        self.train_ds, self.valid_ds = build_datasets(args, topo)
+        self.chunks, self.optimizer = build_model_and_optimizer(args, topo, device)
+        self.scheduler = LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                                     args.lr_decay_style)
+        self.tb = TensorBoardLogger(args.tensorboard_dir, enabled=self.rank == self.last_rank)
+        self.flops = model_flops_per_iteration(args)
+
+    # ---- one iteration -------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
+        from megazero.pipeline import run_schedule
+        args = self.args
+        self.optimizer.zero_grad()
+        losses = run_schedule(args, self.chunks, micro_batches, self.topo, grad_scale=self.optimizer.loss_scale,
+                              forward_only=False)
+        self.optimizer.finish_grad_sync()
+        ok, grad_norm = self.optimizer.step(self.scheduler.get_lr())
+        return losses, ok, grad_norm
+
+    def _reduce_loss(self, losses) -> torch.Tensor | None:
+        """Mean micro-batch loss, averaged over the DP group (last stage only), as a tensor."""
+        if not self.topo.is_last_stage:
+            return None
+        total = torch.stack([l.detach().float() for l in losses]).mean()
+        if self.topo.dp > 1:
+            dist.all_reduce(total, group=self.topo.dp_group)
+            total /= self.topo.dp
+        return total
+
+    def evaluate(self) -> float | None:
+        from megazero.pipeline import run_schedule
+        args = self.args
+        if self.valid_ds is None or args.eval_iters <= 0:
+            return None
+        for c in self.chunks:
+            c.eval()
+        start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
+        it = micro_batch_iterator(self.valid_ds, start % len(self.valid_ds), args, self.topo, self.device, cycle=True)
+        totals = []
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                mbs = [next(it) for _ in range(args.num_micro_batches)]
+                losses = run_schedule(args, self.chunks, mbs, self.topo, grad_scale=1.0, forward_only=True)
+                t = self._reduce_loss(losses)
+                if t is not None:
+                    totals.append(t)
+        for c in self.chunks:
+            c.train()
+        return torch.stack(totals).mean().item() if totals else None
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def save(self) -> None:
+        args = self.args
+        state = {"model": [c.state_dict() for c in self.chunks], "rng": rng_state(self.chunks),
+                 "scheduler": self.scheduler.state_dict(), "counters": {"skipped": self.skipped, "nans": self.nans}}
+        if not args.no_save_optim:
+            state["optimizer"] = self.optimizer.state_dict()
+        metadata = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                    "layout": ckpt.layout_of(args), "args": ckpt.jsonable_args(args)}
+        t0 = time.time()
+        path = ckpt.save_checkpoint(args.save, self.iteration, self.rank, state, metadata)
+        _print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
+                                  f"in {time.time() - t0:.2f} s")
+
+    def load(self) -> None:
+        args = self.args
+        iteration = ckpt.latest_iteration(args.load)
+        if iteration is None:
+            _print_rank(self.rank, 0, f"no {ckpt.LATEST} in {args.load}: starting from scratch")
+            return
+        meta = ckpt.read_metadata(args.load, iteration)
+        ckpt.check_layout(meta["layout"], ckpt.layout_of(args), ckpt.iteration_dir(args.load, iteration))
+        state = ckpt.load_rank_state(args.load, iteration, self.rank)
+        for chunk, sd in zip(self.chunks, state["model"]):
+            chunk.load_state_dict(sd)
+        if not args.no_load_optim and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
+        if args.finetune:
+            _print_rank(self.rank, 0, f"loaded weights from {args.load} iteration {iteration} (finetune: iteration 0)")
+            return
+        self.scheduler.load_state_dict(state["scheduler"])
+        if not args.no_load_rng:
+            restore_rng(state["rng"], self.chunks)
+        self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
+        self.skipped, self.nans = state["counters"]["skipped"], state["counters"]["nans"]
+        _print_rank(self.rank, 0, f"loaded checkpoint from {args.load} at iteration {iteration}")
+
+    # ---- the loop --------------------------------------------------------------------
+    def train(self, exit_signal: ExitSignal) -> None:
+        args, topo = self.args, self.topo
+        it = micro_batch_iterator(self.train_ds, self.consumed_samples, args, topo, self.device)
+        log_losses, log_start, log_iters = [], time.time(), 0
+        stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        while self.iteration < args.train_iters:
+            mbs = [next(it) for _ in range(args.num_micro_batches)]
+            losses, ok, grad_norm = self.train_step(mbs)
+            self.scheduler.step()
+            self.iteration += 1
+            self.consumed_samples += args.global_batch_size
+            if not ok:
+                self.skipped += 1
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    self.nans += 1
+            loss = self._reduce_loss(losses)
+            if loss is not None and ok:
+                log_losses.append(loss)
+            log_iters += 1
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                self._log(log_losses, (time.time() - log_start) / log_iters, grad_norm)
+                log_losses, log_start, log_iters = [], time.time(), 0
+            if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
+                val = self.evaluate()
+                if self.rank == self.last_rank and val is not None:
+                    print(validation_line(self.iteration, val), flush=True)
+                    self.tb.scalars({"lm loss validation": val, "lm loss validation ppl": math.exp(min(20.0, val))},
+                                    self.iteration, self.consumed_samples)
+            stop_flag.fill_(1 if exit_signal.received else 0)
+            dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+            signalled = bool(stop_flag.item())
+            saved = False
+            if args.save and (signalled or (args.save_interval and self.iteration % args.save_interval == 0)):
+                self.save()
+                saved = True
+            if signalled:
+                _print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
+                return
+            if args.exit_interval and self.iteration % args.exit_interval == 0:
+                if args.save and not saved:
+                    self.save()
+                _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+                return
+        if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+            self.save()
+
+    def _log(self, losses: list, seconds_per_iter: float, grad_norm) -> None:
+        args = self.args
+        if self.rank != self.last_rank:
+            return
+        lm = torch.stack(losses).mean().item() if losses else float("nan")
+        tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
+        lr = self.scheduler.get_lr(self.scheduler.num_steps - 1)
+        scale = float(self.optimizer.loss_scale)
+        print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
+                             consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
+                             tflops_per_gpu=tflops, lr=lr, global_batch_size=args.global_batch_size,
+                             losses={"lm loss": lm}, loss_scale=scale, grad_norm=grad_norm,
+                             skipped=self.skipped, nans=self.nans), flush=True)
+        scalars = {"lm loss": lm, "learning-rate": lr, "loss-scale": scale, "grad-norm": grad_norm,
+                   "batch-size": args.global_batch_size, "iteration-time": seconds_per_iter, "throughput": tflops}
+        scalars.update(memory_scalars(self.device))
+        scalars.update(self.optimizer.comm_scalars() if hasattr(self.optimizer, "comm_scalars") else {})
+        self.tb.scalars(scalars, self.iteration, self.consumed_samples)
+
+
+def memory_scalars(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"mem-allocated-bytes": torch.cuda.memory_allocated(device),
+                "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device),
+                "mem-reserved-bytes": torch.cuda.memory_reserved(device)}
+    try:
+        import resource
+        return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    except ImportError:
+        return {}
+
+
+def pretrain(args) -> int:
+    """Entry point of ``pretrain_gpt.py``: returns the process exit code."""
+    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1))
+    launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    if launch.world_size != args.world_size:
+        print(f"error: launched with {launch.world_size} ranks but the arguments were validated for "
+              f"{args.world_size}", file=sys.stderr)
+        return 2
+    rank = launch.rank
+    try:
+        topo = Topology(args.world_size, rank, tp=args.tensor_model_parallel_size,
+                        pp=args.pipeline_model_parallel_size,
+                        vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
+        torch.manual_seed(args.seed)
+        np.random.seed(args.seed)
+        trainer = Trainer(args, topo, device)
+        if rank == 0:
+            print(f"> {topo.describe()} ; data-parallel size {topo.dp}, micro-batches per step "
+                  f"{args.num_micro_batches}, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
+        if trainer.tb.writer is not None:
+            trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(vars(args).items())))
+        if args.load:
+            trainer.load()
+        trainer.train(exit_signal)
+        trainer.tb.close()
+    except ckpt.CheckpointError as e:
+        print(f"rank {rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception:
+        print(f"rank {rank}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    return 0
