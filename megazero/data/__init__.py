@@ -9,12 +9,11 @@ from megazero.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder
                                            IndexedDatasetError)
 from megazero.data.samplers import PretrainingSampler, build_pretraining_data_loader, collate
 from megazero.data.tokenizers import (GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer,
-                                      build_tokenizer, vocab_size_with_padding)
+                                      build_tokenizer)
 
 __all__ = [
     "BlendedDataset", "GPTDataset", "build_train_valid_test_datasets", "parse_data_path",
     "IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError",
     "PretrainingSampler", "build_pretraining_data_loader", "collate",
     "GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer", "build_tokenizer",
-    "vocab_size_with_padding",
 ]

@@ -17,8 +17,10 @@ and ``detokenize(ids) -> str``.
   OpenAI's ``encoder.py`` algorithm, so the ids equal GPT-2's for any text (the literal string
   ``<|endoftext|>`` in text is *not* treated as special, as in Megatron). ``eod`` is
   ``<|endoftext|>``. Results per word are memoised in a per-instance bounded cache.
-* ``NullTokenizer`` (``--vocab-size N``): text is whitespace-separated integer ids in ``[0, N)``.
-  Like Megatron-LM's, it adds one id for end of document: ``eod = N`` and ``vocab_size = N + 1``.
+* ``NullTokenizer`` (``--vocab-size N``): text is whitespace-separated integer ids in ``[0, N)``;
+  ``vocab_size = N`` and ``eod = N - 1`` (the last id). Megatron-LM's adds an extra id instead
+  (eod = N, vocab N + 1); here ``--vocab-size`` is the model's vocabulary exactly, which is what
+  ``arguments.py`` pads for NullTokenizer runs.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import json
 
 __all__ = [
     "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "build_tokenizer",
-    "bytes_to_unicode", "GPT2_PATTERN", "vocab_size_with_padding",
+    "bytes_to_unicode", "GPT2_PATTERN",
 ]
 
 # GPT-2's pre-tokenization pattern (OpenAI encoder.py), for the `regex` package (\p classes).
@@ -179,20 +181,20 @@ class SentencePieceTokenizer:
 
 
 class NullTokenizer:
-    """Whitespace-separated integer ids; ``eod = N``, ``vocab_size = N + 1`` (as Megatron-LM)."""
+    """Whitespace-separated integer ids in [0, N); ``vocab_size = N``, ``eod = N - 1``."""
 
     def __init__(self, vocab_size: int):
         self._n = int(vocab_size)
-        if self._n <= 0:
-            raise ValueError("NullTokenizer needs --vocab-size > 0")
+        if self._n <= 1:
+            raise ValueError("NullTokenizer needs --vocab-size > 1")
 
     @property
     def vocab_size(self) -> int:
-        return self._n + 1
+        return self._n
 
     @property
     def eod(self) -> int:
-        return self._n
+        return self._n - 1
 
     def tokenize(self, text: str) -> list[int]:
         ids = [int(x) for x in text.split()]
@@ -229,9 +231,3 @@ def build_tokenizer(args):
     raise ValueError(f"unknown --tokenizer-type {kind!r}; expected SentencePieceTokenizer, "
                      "GPT2BPETokenizer or NullTokenizer")
 
-
-def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                            tensor_model_parallel_size: int = 1) -> int:
-    """Megatron's padded vocabulary: round up to a multiple of divisible_by * TP size."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
