@@ -1,0 +1,157 @@
+"""Run one step's pipeline plan: forwards, backwards and batched p2p exchanges of one rank.
+
+``forward_backward`` picks the schedule from the layout -- no pipelining (PP = 1, gradient
+accumulation), 1F1B (VP = 1, warm-up ``PP - r - 1``, bubble fraction ``(PP - 1) / M``) or
+interleaved 1F1B (VP = ``len(chunks)`` > 1, warm-up ``2 (PP - r - 1) + (VP - 1) PP``, bubble
+fraction ``(PP - 1) / (VP M)``) -- builds this rank's action list (:mod:`.plan`) and executes it.
+
+Losses: on the last virtual stage ``forward_step_func`` returns the micro-batch's scalar loss;
+the backward is seeded with ``loss * grad_scale / M`` (so gradients are those of the mean loss
+over micro-batches, times the fp16 loss scale), and the unscaled per-micro-batch losses are
+returned (detached, no host sync).  Other ranks return ``[]``.
+
+Memory: once an output activation has been sent, its storage is released (``.data`` replaced
+by a 1-element tensor) and only its autograd edge is kept; the backward later runs from that
+edge (``torch.autograd.backward(GradientEdge, grad)``, public API, which takes the shape from
+the graph node rather than from the freed tensor).  A rank so holds, per in-flight micro-batch
+and chunk, only the received input and what autograd saved: at most ``PP - r`` micro-batches
+with 1F1B, ``warm-up + 1`` chunk-activations interleaved.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
+
+from .p2p import P2PCommunicator
+from .plan import build_plan, schedule_name, warmup_count
+
+
+class _Runner:
+    def __init__(self, chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace):
+        self.chunks, self.mbs, self.topo = chunks, microbatches, topo
+        self.step_fn, self.comm = forward_step_func, comm
+        self.grad_scale, self.forward_only, self.trace = grad_scale, forward_only, trace
+        self.vp, self.m = len(chunks), len(microbatches)
+        self.inputs = {}     # (m, c) -> received input activation (a leaf that collects its grad)
+        self.edges = {}      # (m, c) -> autograd edge of the sent output
+        self.seeds = {}      # (m, c) -> scaled loss to backward from (last virtual stage)
+        self.out_grads = {}  # (m, c) -> received gradient of the output
+        self.to_send = {}    # ("act"|"grad", m, c) -> tensor
+        self.losses = []
+        self.live = self.max_live = 0
+
+    def is_first(self, c):
+        return c == 0 and self.topo.is_first_stage
+
+    def is_last(self, c):
+        return c == self.vp - 1 and self.topo.is_last_stage
+
+    def forward(self, mb, c):
+        x = self.inputs.get((mb, c))
+        if x is None and not self.is_first(c):
+            raise RuntimeError(f"pipeline rank {self.topo.pp_rank}: no input received for micro-batch {mb} chunk {c}")
+        out = self.step_fn(self.chunks[c], self.mbs[mb], x)
+        if self.forward_only:
+            self.inputs.pop((mb, c), None)
+        if self.is_last(c):
+            if not isinstance(out, torch.Tensor) or out.dim() != 0:
+                raise RuntimeError("forward_step_func must return a scalar loss on the last pipeline stage")
+            self.losses.append(out.detach())
+            if not self.forward_only:
+                self.seeds[(mb, c)] = out * self.grad_scale / self.m
+        else:
+            self.to_send[("act", mb, c)] = out
+            if not self.forward_only and out.requires_grad:
+                self.edges[(mb, c)] = get_gradient_edge(out)
+        if not self.forward_only:
+            self.live += 1
+            self.max_live = max(self.max_live, self.live)
+
+    def backward(self, mb, c):
+        if self.is_last(c):
+            self.seeds.pop((mb, c)).backward()
+        else:
+            grad = self.out_grads.pop((mb, c))
+            edge = self.edges.pop((mb, c), None)
+            if edge is not None:
+                torch.autograd.backward(edge, grad_tensors=grad)
+        x = self.inputs.pop((mb, c), None)
+        if not self.is_first(c):
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.to_send[("grad", mb, c)] = g
+        self.live -= 1
+
+    def exchange(self, ops):
+        sends = [(self.to_send.pop((op.what, op.mb, op.chunk)), op.peer) for op in ops if op.op == "send"]
+        recv_ops = [op for op in ops if op.op == "recv"]
+        received = self.comm.exchange(sends, [op.peer for op in recv_ops])
+        for (tensor, _), op in zip(sends, [op for op in ops if op.op == "send"]):
+            if op.what == "act":  # free the sent activation's storage; its edge stays for backward
+                tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+        for t, op in zip(received, recv_ops):
+            if op.what == "act":
+                self.inputs[(op.mb, op.chunk)] = t.requires_grad_(not self.forward_only)
+            else:
+                self.out_grads[(op.mb, op.chunk)] = t
+
+    def run(self, plan):
+        trace, clock = self.trace, time.perf_counter
+        if trace is not None:
+            if self.topo.pp > 1:
+                dist.barrier(group=self.topo.pp_group)
+            trace.begin(self.topo, schedule_name(self.topo.pp, self.vp), self.m, self.vp)
+        for a in plan:
+            t = clock() if trace is not None else 0.0
+            if a.kind == "F":
+                self.forward(a.mb, a.chunk)
+            elif a.kind == "B":
+                self.backward(a.mb, a.chunk)
+            else:
+                self.exchange(a.ops)
+            if trace is not None:
+                trace.record(a, t, clock())
+        if self.to_send or self.edges or self.seeds or self.out_grads:
+            raise RuntimeError("pipeline plan left work undone (internal error)")
+        return self.losses
+
+
+def _device_of(chunks) -> torch.device:
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def forward_backward(chunks, microbatches, topo, forward_step_func, tensor_shape, dtype,
+                     grad_scale=1.0, forward_only: bool = False, trace=None, stats: dict | None = None):
+    """Run one step of this rank's pipeline schedule; return the last stage's micro-batch losses.
+
+    ``chunks``: this rank's model chunks (``nn.Module``; a single module means VP = 1), in
+    virtual-stage order (chunk ``c`` is virtual stage ``c * PP + pp_rank``).
+    ``microbatches``: the step's ``M`` micro-batch dicts (every rank gets all of them; each stage
+    uses what it needs).  ``forward_step_func(chunk, microbatch, input_tensor)`` returns the
+    chunk's output, a scalar loss on the last virtual stage; ``input_tensor`` is ``None`` on
+    the first virtual stage.  ``tensor_shape``/``dtype``: what travels between stages.
+    ``grad_scale``: float or 0-dim tensor multiplying the loss's gradient (fp16 loss scale).
+    ``forward_only``: no backward, no grad (evaluation).  ``trace``: a
+    :class:`~megazero.pipeline.trace.ScheduleTrace` to record this step into (adds a barrier).
+    ``stats``: a dict to receive ``schedule``, ``warmup``, ``max_in_flight``.
+    """
+    if isinstance(chunks, torch.nn.Module):
+        chunks = [chunks]
+    chunks, microbatches = list(chunks), list(microbatches)
+    if len(chunks) != topo.vp:
+        raise ValueError(f"{len(chunks)} model chunks given, topology has VP {topo.vp}")
+    plan = build_plan(topo.pp, len(chunks), len(microbatches), topo.pp_rank, forward_only)
+    comm = P2PCommunicator(topo, tensor_shape, dtype, _device_of(chunks))
+    runner = _Runner(chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace)
+    with torch.no_grad() if forward_only else torch.enable_grad():
+        losses = runner.run(plan)
+    if stats is not None:
+        stats.update(schedule=schedule_name(topo.pp, len(chunks)), max_in_flight=runner.max_live,
+                     warmup=warmup_count(topo.pp, len(chunks), len(microbatches), topo.pp_rank))
+    return losses
