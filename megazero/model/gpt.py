@@ -1,0 +1,205 @@
+"""The GPT model, or a pipeline slice of it, built from tensor-parallel layers.
+
+``GPTModel(config, topo, layer_start=0, layer_end=None, pre_process=True, post_process=True)``
+holds global layers ``layer_start..layer_end-1``; ``pre_process`` adds the embedding (word +
+learned positions, or RoPE), ``post_process`` the final norm and the output layer. It knows
+nothing of pipelines: a stage is just a slice, and a chunk with both ends is the whole model.
+
+Parameter names use *global* layer numbers (``layers.5.mlp.fc1.weight`` on whichever stage
+holds layer 5), and each parameter is drawn whole from a generator seeded by (seed, that name),
+then sliced for TP, so every (TP, PP, VP, DP) layout starts from the same model.
+
+Tied embeddings (``untie_embeddings_and_output_weights=False``): a slice holding both ends
+(the only stage) multiplies by the word-embedding weight itself. A slice with ``post_process``
+but not ``pre_process`` (the last of several stages) owns ``output_layer.weight``, drawn from
+the word embedding's seed so it starts equal; :meth:`shared_embedding_weight` returns the weight
+to keep in sync over ``topo.embedding_group`` (first stage: the embedding; last: its copy; a
+single-stage model or a middle stage: None). Whether a slice is the only stage is thus derived
+from ``pre_process and post_process``; no extra flag.
+
+Sequence parallelism: hidden states between stages are ``[s/p, b, h]``; the embedding
+reduce-scatters into that layout and the output layer all-gathers out of it. Replicated
+parameters used on split activations (norms, row-parallel biases) get TP-summed gradients
+inside autograd, so optimizers need not know about SP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megazero.tensor_parallel import (ColumnParallelLinear, RNGTracker, VocabParallelEmbedding, checkpoint,
+                                      default_device, dropout, scatter_to_sequence_parallel_region, seeded_normal,
+                                      vocab_parallel_cross_entropy)
+from megazero.tensor_parallel.layers import _TPLayer
+from megazero.tensor_parallel.mappings import group_size
+from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
+
+from .config import GPTConfig
+from .transformer import Norm, TransformerLayer, rope_cos_sin
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    """Token ids ``[b, s]`` -> ``[s, b, h]`` (``[s/p, b, h]`` with SP), then embedding dropout."""
+
+    def __init__(self, config: GPTConfig, padded_vocab: int, tp_group, tracker, device):
+        super().__init__()
+        self.config, self.tp_group, self.tracker = config, tp_group, tracker
+        self.sp = config.sequence_parallel and group_size(tp_group) > 1
+        std, seed = config.init_method_std, config.seed
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp_group, vocab_size=config.vocab_size, sequence_parallel=self.sp,
+            init_method=seeded_normal(std, seed, WORD_EMBEDDING), params_dtype=config.params_dtype, device=device)
+        if config.position_embedding_type == "learned_absolute":
+            weight = torch.empty(config.max_position_embeddings, config.hidden_size)
+            seeded_normal(std, seed, "embedding.position_embeddings.weight")(weight)
+            self.position_embeddings = nn.Embedding.from_pretrained(
+                weight.to(device=device, dtype=config.params_dtype), freeze=False)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, ids, position_ids):
+        x = self.word_embeddings(ids.t())  # [s(/p), b, h]
+        if self.position_embeddings is not None:
+            pos = self.position_embeddings(position_ids.t())  # [s, b, h], replicated
+            if self.sp:
+                pos = scatter_to_sequence_parallel_region(pos, self.tp_group)
+            x = x + pos
+        rng = TENSOR_PARALLEL if self.sp else REPLICATED
+        return dropout(x, self.config.hidden_dropout, self.training, self.tracker, rng)
+
+
+class GPTModel(nn.Module):
+    """See the module docstring and docs/INTERFACES.md (Model)."""
+
+    def __init__(self, config: GPTConfig, topo=None, layer_start: int = 0, layer_end: int | None = None,
+                 pre_process: bool = True, post_process: bool = True, device=None):
+        super().__init__()
+        self.config, self.topo = config, topo
+        self.tp_group = topo.tp_group if topo is not None else None
+        self.tp = group_size(self.tp_group)
+        config.check_tp(self.tp)
+        self.layer_start = layer_start
+        self.layer_end = config.num_layers if layer_end is None else layer_end
+        if not 0 <= self.layer_start <= self.layer_end <= config.num_layers:
+            raise ValueError(f"layer slice [{layer_start}, {self.layer_end}) outside 0..{config.num_layers}")
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = config.sequence_parallel and self.tp > 1
+        self.padded_vocab = config.padded_vocab(self.tp)
+        self.device = torch.device(device) if device is not None else default_device(self.tp_group)
+        tp_rank = topo.tp_rank if topo is not None else 0
+        pp_rank = topo.pp_rank if topo is not None else 0
+        self.rng = RNGTracker(config.seed, tp_rank, pp_rank, self.device)
+        if pre_process:
+            self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, self.device)
+        self.layers = nn.ModuleDict({
+            str(n): TransformerLayer(config, n, self.tp_group, self.rng, self.device)
+            for n in range(self.layer_start, self.layer_end)})
+        if post_process:
+            self.final_norm = Norm(config, self.tp_group, self.sequence_parallel, self.device)
+            uses_embedding = config.tied_embeddings and pre_process
+            key = WORD_EMBEDDING if config.tied_embeddings else "output_layer.weight"
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab, self.tp_group, bias=False,
+                sequence_parallel=self.sequence_parallel, real_out_features=config.vocab_size,
+                init_method=seeded_normal(config.init_method_std, config.seed, key),
+                params_dtype=config.params_dtype, device=self.device, create_weight=not uses_embedding)
+
+    # ---- forward -------------------------------------------------------------------------
+    def shared_embedding_weight(self) -> nn.Parameter | None:
+        """The tied word-embedding weight this slice must keep in sync with its twin, or None."""
+        if not self.config.tied_embeddings or (self.pre_process and self.post_process):
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
+        """Consecutive layers and whether each run is recomputed (full granularity)."""
+        layers = list(self.layers.values())
+        c = self.config
+        if c.recompute_granularity != "full" or not self.training:
+            return [(layers, False)]
+        n = c.recompute_num_layers or 1
+        if c.recompute_method == "block":
+            return [([layer], True) for layer in layers[:n]] + ([(layers[n:], False)] if layers[n:] else [])
+        return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            b, s = x.shape
+        else:
+            s, b = x.shape[0] * (self.tp if self.sequence_parallel else 1), x.shape[1]
+        needs_positions = self.config.position_embedding_type == "rope" or self.pre_process
+        if position_ids is None and needs_positions:
+            device = x.device
+            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+        hidden = self.embedding(x, position_ids) if self.pre_process else x
+        rope = None
+        if self.config.position_embedding_type == "rope":
+            rope = rope_cos_sin(position_ids, self.config.kv_channels, self.config.rotary_base,
+                                self.config.params_dtype)
+        for layers, recompute in self._layer_groups():
+            def run(h, *cos_sin, layers=layers):
+                for layer in layers:
+                    h = layer(h, cos_sin if cos_sin else None)
+                return h
+            args = (hidden,) + (tuple(rope) if rope is not None else ())
+            hidden = checkpoint(run, self.rng, *args) if recompute else run(*args)
+        if not self.post_process:
+            return hidden
+        hidden = self.final_norm(hidden)
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(hidden, weight)  # [s, b, V'/p]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
+                                            self.config.label_smoothing)
+        return loss.t().contiguous()  # [b, s] fp32
+
+    # ---- full (layout-independent) tensors ----------------------------------------------------
+    def _named_params(self):
+        for mod_name, module in self.named_modules():
+            for p_name, param in module.named_parameters(recurse=False):
+                yield (f"{mod_name}.{p_name}" if mod_name else p_name), module, p_name, param
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (or its gradient, zeros if None) as the full, unpadded tensor.
+
+        Collective over the TP group (all TP ranks call it). Keys are the parameter names; the
+        vocabulary matrices have ``vocab_size`` rows. Independent of TP: the seam for
+        checkpoint resharding and Hugging Face conversion.
+        """
+        out = {}
+        for name, module, p_name, param in self._named_params():
+            t = param.detach() if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
+            out[name] = module.local_to_full(p_name, t) if isinstance(module, _TPLayer) else t
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+        """Copy full tensors (as from :meth:`full_state_dict`) into this slice's shards.
+
+        Returns the names of this slice's parameters missing from ``state`` (``strict`` raises).
+        """
+        missing = []
+        for name, module, p_name, param in self._named_params():
+            full = state.get(name)
+            if full is None and name == "output_layer.weight" and self.config.tied_embeddings:
+                full = state.get(WORD_EMBEDDING)  # the last stage's copy of the tied embedding
+            if full is None:
+                missing.append(name)
+                continue
+            local = module.full_to_local(p_name, full) if isinstance(module, _TPLayer) else full
+            if local.shape != param.shape:
+                raise ValueError(f"{name}: full shape {tuple(full.shape)} gives {tuple(local.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(local)
+        if missing and strict:
+            raise KeyError(f"missing from state: {missing}")
+        return missing

@@ -1,0 +1,21 @@
+"""Tensor parallelism: autograd collectives, parallel layers, vocab-parallel loss, dropout RNG.
+
+See docs/tensor_parallel.md for the math of every piece.
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, default_device,
+                     gather_tensor, init_seed, seeded_normal, shard, unshard)
+from .mappings import (all_gather_dim0, copy_to_tp_region, gather_from_sequence_parallel_region,
+                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_dim0,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                       scatter_to_tp_region)
+from .random import RNGTracker, checkpoint, dropout
+
+__all__ = [
+    "vocab_parallel_cross_entropy", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "default_device", "gather_tensor", "init_seed", "seeded_normal", "shard", "unshard",
+    "all_gather_dim0", "copy_to_tp_region", "gather_from_sequence_parallel_region", "gather_from_tp_region",
+    "reduce_from_tp_region", "reduce_scatter_dim0", "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "scatter_to_tp_region", "RNGTracker", "checkpoint", "dropout",
+]
