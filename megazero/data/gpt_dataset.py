@@ -276,7 +276,8 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             out.append(GPTDataset(ds, split_name, rng, seq_length, n, seed, cache_dir,
                                   is_builder, barrier))
             continue
-        ws = [w / sum(p[2] for p in parts) for p in parts]
+        total = sum(p[2] for p in parts)
+        ws = [p[2] / total for p in parts]
         key = {"version": INDEX_VERSION, "fields": ["which", "nth"], "weights": ws, "size": n,
                "parts": [[os.path.abspath(p[0].path_prefix), list(p[1])] for p in parts]}
         idx = _cached(cache_dir, f"blend-{split_name}", key,
