@@ -218,7 +218,11 @@ def _encoded_batches(args):
 
 
 def preprocess(args) -> dict:
-    """Run the conversion; returns a summary dict. Raises BadLine-derived SystemExit on error."""
+    """Run the conversion; returns a summary dict.
+
+    A bad line without ``--skip-bad-lines`` raises SystemExit("error: FILE:LINE: what"); on any
+    failure the temporary outputs are removed and earlier outputs are left untouched.
+    """
     dtype = optimal_dtype(build_tokenizer(args).vocab_size)
     finals = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
