@@ -87,6 +87,13 @@ def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
                      env=os.environ) -> tuple[LaunchEnv, torch.device]:
     """Initialize the default process group; return the launch facts and this rank's device."""
+    if dist.is_initialized():  # already started (tests, or an embedding application)
+        launch = detect_launch(env)
+        launch = LaunchEnv(dist.get_rank(), dist.get_world_size(), launch.local_rank,
+                           max(launch.local_world_size, 1), launch.master_addr, launch.master_port, "existing")
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        return launch, device
     launch = detect_launch(env)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -99,8 +106,6 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
         device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank(launch.local_world_size))
     timeout = timedelta(minutes=timeout_minutes)
-    if dist.is_initialized():
-        return launch, device
     if launch.source == "single":
         store = dist.HashStore()
     else:

@@ -100,14 +100,25 @@ def build_model_and_optimizer(args, topo: Topology, device):
     return chunks, optimizer
 
 
+def run_schedule(args, chunks, micro_batches, topo: Topology, grad_scale=1.0, forward_only: bool = False,
+                 trace=None):
+    """One pass of the selected pipeline schedule over ``micro_batches``; the last stage's losses."""
+    from megazero.pipeline import forward_backward
+    from megazero.pipeline.chunks import gpt_forward_step
+    from megazero.pipeline.p2p import pipeline_tensor_shape
+    shape = pipeline_tensor_shape(args.seq_length, args.micro_batch_size, args.hidden_size,
+                                  args.tensor_model_parallel_size, args.sequence_parallel)
+    return forward_backward(chunks, micro_batches, topo, gpt_forward_step, shape, args.params_dtype,
+                            grad_scale=grad_scale, forward_only=forward_only, trace=trace)
+
+
 def rng_state(chunks) -> dict:
     """Every RNG this rank draws from, as tensors and plain values (``weights_only``-loadable)."""
     np_state = np.random.get_state()
     state = {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
              "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
              "torch": torch.get_rng_state(),
-             "trackers": [c.rng_tracker.get_states() if getattr(c, "rng_tracker", None) is not None else {}
-                          for c in chunks]}
+             "trackers": [c.rng.state_dict() for c in chunks]}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -120,5 +131,4 @@ def restore_rng(state: dict, chunks) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     for chunk, tracker_state in zip(chunks, state["trackers"]):
-        if tracker_state and getattr(chunk, "rng_tracker", None) is not None:
-            chunk.rng_tracker.set_states(tracker_state)
+        chunk.rng.load_state_dict(tracker_state)

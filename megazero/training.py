@@ -26,7 +26,7 @@ from megazero.logger import TensorBoardLogger, iteration_line, model_flops_per_i
 from megazero.lr_scheduler import LRScheduler
 from megazero.topology import Topology
 from megazero.train_state import (ExitSignal, build_datasets, build_model_and_optimizer, micro_batch_iterator,
-                                  restore_rng, rng_state)
+                                  restore_rng, rng_state, run_schedule)
 
 
 def _print_rank(rank: int, target: int, text: str) -> None:
@@ -42,6 +42,7 @@ class Trainer:
         self.rank, self.last_rank = dist.get_rank(), dist.get_world_size() - 1
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nans = 0, 0
+        self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
         self.train_ds, self.valid_ds = build_datasets(args, topo)
         self.chunks, self.optimizer = build_model_and_optimizer(args, topo, device)
         self.scheduler = LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
@@ -51,11 +52,15 @@ class Trainer:
 
     # ---- one iteration -------------------------------------------------------------
     def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
-        from megazero.pipeline import run_schedule
+        from megazero.pipeline.trace import trace_for_step, write_pipeline_trace
         args = self.args
+        trace = trace_for_step(args, self.iteration + 1, traced_iteration=min(self.first_iteration + 3, args.train_iters))
         self.optimizer.zero_grad()
         losses = run_schedule(args, self.chunks, micro_batches, self.topo, grad_scale=self.optimizer.loss_scale,
-                              forward_only=False)
+                              forward_only=False, trace=trace)
+        if trace is not None:
+            write_pipeline_trace(args.pipeline_trace, trace, self.topo,
+                                 print_fn=lambda s: _print_rank(self.rank, 0, s))
         self.optimizer.finish_grad_sync()
         ok, grad_norm = self.optimizer.step(self.scheduler.get_lr())
         return losses, ok, grad_norm
@@ -71,7 +76,6 @@ class Trainer:
         return total
 
     def evaluate(self) -> float | None:
-        from megazero.pipeline import run_schedule
         args = self.args
         if self.valid_ds is None or args.eval_iters <= 0:
             return None
@@ -133,6 +137,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self, exit_signal: ExitSignal) -> None:
         args, topo = self.args, self.topo
+        self.first_iteration = self.iteration
         it = micro_batch_iterator(self.train_ds, self.consumed_samples, args, topo, self.device)
         log_losses, log_start, log_iters = [], time.time(), 0
         stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -182,6 +187,7 @@ class Trainer:
         if self.rank != self.last_rank:
             return
         lm = torch.stack(losses).mean().item() if losses else float("nan")
+        self.history.append((self.iteration, lm))
         tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
         lr = self.scheduler.get_lr(self.scheduler.num_steps - 1)
         scale = float(self.optimizer.loss_scale)
@@ -209,29 +215,38 @@ def memory_scalars(device: torch.device) -> dict:
         return {}
 
 
-def pretrain(args) -> int:
-    """Entry point of ``pretrain_gpt.py``: returns the process exit code."""
-    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1))
+def setup(args) -> Trainer:
+    """Start (or join) torch.distributed, build the topology and the trainer, load ``--load``."""
     launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if launch.world_size != args.world_size:
-        print(f"error: launched with {launch.world_size} ranks but the arguments were validated for "
-              f"{args.world_size}", file=sys.stderr)
-        return 2
-    rank = launch.rank
+        raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
+                           f"{args.world_size}")
+    topo = Topology(args.world_size, launch.rank, tp=args.tensor_model_parallel_size,
+                    pp=args.pipeline_model_parallel_size,
+                    vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
+    torch.manual_seed(args.seed + 100 * topo.pp_rank)
+    np.random.seed(args.seed)
+    trainer = Trainer(args, topo, device)
+    if launch.rank == 0:
+        print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
+              f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
+    trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(vars(args).items())))
+    if args.load:
+        trainer.load()
+    return trainer
+
+
+def pretrain(args) -> int:
+    """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
+
+    Errors are printed with the failing rank; a checkpoint problem prints one line naming the
+    file. The process group is torn down on the way out, so peers see a closed connection
+    instead of waiting for the collective timeout.
+    """
+    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
-        topo = Topology(args.world_size, rank, tp=args.tensor_model_parallel_size,
-                        pp=args.pipeline_model_parallel_size,
-                        vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
-        torch.manual_seed(args.seed)
-        np.random.seed(args.seed)
-        trainer = Trainer(args, topo, device)
-        if rank == 0:
-            print(f"> {topo.describe()} ; data-parallel size {topo.dp}, micro-batches per step "
-                  f"{args.num_micro_batches}, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
-        if trainer.tb.writer is not None:
-            trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(vars(args).items())))
-        if args.load:
-            trainer.load()
+        trainer = setup(args)
         trainer.train(exit_signal)
         trainer.tb.close()
     except ckpt.CheckpointError as e:
