@@ -1,0 +1,190 @@
+"""A region: one flat span of parameters (one dtype, one model chunk) with its gradient and its
+optimizer shard.  Stages 0-2 cut the model into regions of ``--zero-reduce-bucket-size`` elements
+(the buckets, in reverse execution order); stage 3 makes one region per unit (a layer).
+
+Layout, with N = DP size and L = real elements of the region::
+
+    padded = ceil(L / N) * N          (stage 0: padded = L, nothing is sharded)
+    shard  = [dp_rank * padded/N, (dp_rank + 1) * padded/N)
+
+What a region keeps per rank (params_dtype p bytes, grad dtype g bytes; padding aside):
+
+=========================  ============  =================  ================================
+                           parameters    gradients          fp32 master + Adam m, v
+=========================  ============  =================  ================================
+stage 0                    L p           L g                12 L
+stage 1 (flush after M)    L p           L g                12 L / N
+stage 2 (flush each mb)    L p           L g / N            12 L / N
+stage 3, partitioned       L p / N       L g / N            12 L / N
+=========================  ============  =================  ================================
+
+Gradients land in ``full_grad`` (post-accumulate-grad hook adds ``p.grad`` in and drops it).  A
+round is complete when every parameter of the region has had ``flush_every`` accumulations
+(M for stages 0/1, 1 for stage 2/3); then the region is *flushed*: all-reduced over DP (stage 0,
+volume 2L) or reduce-scattered into ``grad_shard`` (stages 1-3, volume L; added to what earlier
+micro-batches left there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import Collectives, Pending
+
+
+def _merge(segments):
+    out = []
+    for a, b in segments:
+        if a >= b:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class Region:
+    """Flat parameters, gradients and the optimizer shard of a list of same-dtype parameters.
+
+    ``counted[i]``: whether parameter i's gradient enters the global norm on this rank (False for
+    a TP-duplicated parameter off TP rank 0, or a tied copy off the tie group's first rank).
+    ``shared``: name of a group over which the full gradient is summed before DP reduction
+    (tied weights across pipeline stages); such a region is flushed only in ``finish``.
+    """
+
+    def __init__(self, params, counted, *, comm: Collectives, dp_size: int, dp_rank: int, stage: int,
+                 partitioned: bool, flush_every: int, keep_full_grad: bool, grad_dtype: torch.dtype,
+                 shared: str | None = None, chunk: int = 0):
+        self.comm, self.stage, self.partitioned, self.shared, self.chunk = comm, stage, partitioned, shared, chunk
+        self.flush_every = flush_every
+        self.params = list(params)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"a region holds one dtype, got {dtypes}")
+        self.dtype = dtypes.pop()
+        self.grad_dtype = grad_dtype
+        device = self.params[0].device
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        n = dp_size if stage >= 1 else 1
+        self.padded = -(-off // n) * n
+        self.shard_len = self.padded // n
+        self.shard_lo = (dp_rank if stage >= 1 else 0) * self.shard_len
+
+        # parameters: views of one flat buffer (released between uses when partitioned)
+        self.param_flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
+        for p, o in zip(self.params, self.offsets):
+            self.param_flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.param_flat[o:o + p.numel()].view(p.shape)
+        shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
+        self.master = shard.float().clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.param_shard = None
+        self.gathered = True
+        if partitioned:
+            self.param_shard = shard.clone()
+            self.release()
+
+        # gradients
+        self.persistent_grad = keep_full_grad or stage == 0
+        self.full_grad = torch.zeros(self.padded, dtype=grad_dtype, device=device) if self.persistent_grad else None
+        self.grad_shard = self.full_grad if stage == 0 else torch.zeros(self.shard_len, dtype=grad_dtype, device=device)
+        self.fresh = True  # grad_shard holds nothing yet this step
+        self.counts = [0] * len(self.params)
+        self.complete = 0
+        self.dirty = False  # gradient added since the last flush
+
+        # shard segments (relative to the shard) for weight decay and the global norm
+        lo, hi = self.shard_lo, self.shard_lo + self.shard_len
+        seg = [(max(o, lo) - lo, min(o + p.numel(), hi) - lo) for p, o in zip(self.params, self.offsets)]
+        self.decay_segments = _merge(s for s, p in zip(seg, self.params) if p.dim() >= 2)
+        self.norm_segments = _merge(s for s, c in zip(seg, counted) if c)
+
+    # ---- gradients -------------------------------------------------------------------------
+    def accumulate(self, i: int, p: torch.Tensor) -> bool:
+        """Add ``p.grad`` into the flat gradient and drop it; True when the round is complete."""
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=p.device)
+        o = self.offsets[i]
+        self.full_grad[o:o + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self.dirty = True
+        self.counts[i] += 1
+        if self.counts[i] == self.flush_every:
+            self.complete += 1
+        return self.complete == len(self.params)
+
+    def flush(self, async_op: bool = True) -> Pending:
+        """Reduce what has accumulated: stage 0 all-reduce (2L) else reduce-scatter (L) over DP."""
+        self.counts = [0] * len(self.params)
+        self.complete = 0
+        self.dirty = False
+        full = self.full_grad
+        if self.stage == 0:
+            return self.comm.all_reduce(full, "dp", logical=self.numel, async_op=async_op)
+        direct = self.fresh
+        out = self.grad_shard if direct else torch.empty_like(self.grad_shard)
+        self.fresh = False
+        if not self.persistent_grad:
+            self.full_grad = None  # the next round allocates afresh; ``full`` lives until done
+
+        def done():
+            if not direct:
+                self.grad_shard.add_(out)
+            if self.persistent_grad:
+                full.zero_()
+        pending = self.comm.reduce_scatter(out, full, "dp", logical=self.numel, async_op=async_op)
+        return Pending(pending, done)
+
+    def sum_shared(self) -> None:
+        """Sum the full gradient over the tie group (blocking; volume 2L on that group)."""
+        if self.full_grad is not None:
+            self.comm.all_reduce(self.full_grad, self.shared, logical=self.numel, async_op=False)
+
+    def grad32(self) -> torch.Tensor:
+        """This rank's gradient shard in fp32 (a view when the shard already is fp32)."""
+        g = self.grad_shard
+        if g is None:
+            return torch.zeros_like(self.master)
+        return g if g.dtype == torch.float32 else g.float()
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        self.fresh = True
+
+    # ---- parameters ------------------------------------------------------------------------
+    def write_back(self, async_op: bool = True) -> Pending:
+        """Put the updated fp32 master shard back into the parameters (stage 1/2 all-gather, L)."""
+        if self.partitioned:
+            self.param_shard.copy_(self.master)
+            return Pending()
+        if self.stage == 0:
+            self.param_flat.copy_(self.master)
+            return Pending()
+        src = self.master.to(self.dtype)
+        return self.comm.all_gather(self.param_flat, src, "dp", logical=self.numel, async_op=async_op)
+
+    def gather(self, async_op: bool = True) -> Pending:
+        """Stage 3: re-materialize the full parameters from the shards (all-gather, volume L)."""
+        storage = self.param_flat.untyped_storage()
+        storage.resize_(self.padded * self.param_flat.element_size())
+        self.gathered = True
+        return self.comm.all_gather(self.param_flat, self.param_shard, "dp", logical=self.numel, async_op=async_op)
+
+    def release(self) -> None:
+        """Stage 3: free the full parameters (the views stay, their storage shrinks to 0 bytes)."""
+        self.param_flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ---- accounting ------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        psz, gsz = self.param_flat.element_size(), torch.empty((), dtype=self.grad_dtype).element_size()
+        params = (self.shard_len if self.partitioned else self.padded) * psz
+        grads = (self.padded if self.persistent_grad else self.shard_len) * gsz
+        return {"params": params, "grads": grads, "master": 4 * self.shard_len,
+                "moments": 8 * self.shard_len}

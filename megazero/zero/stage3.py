@@ -1,0 +1,225 @@
+"""ZeRO stage 3: parameters partitioned per *unit*, gathered just in time, freed after use.
+
+A unit is a module whose parameters are gathered with one coalesced all-gather (volume L, over
+DP).  Default units (:func:`find_units`): every child of an ``nn.ModuleList`` (a transformer
+layer), then every other module that directly owns parameters (embedding, final norm, head).
+
+Per micro-batch a unit is gathered before its forward (forward pre-hook) and again before its
+backward (hook on its outputs' gradients), and released after each, so one step with M
+micro-batches moves ``M * (L + L + L)`` per unit: two all-gathers and one reduce-scatter (3Φ for
+M = 1).  This is also what happens under a 1F1B pipeline, where a unit runs forward for several
+micro-batches before their backwards: nothing stays resident between them unless the reuse
+distance says so.  Knobs:
+
+* ``prefetch_bucket_size``: after a unit is fetched, start async gathers of the next units in
+  recorded execution order (reverse order in backward) until that many elements are in flight.
+* ``max_live_parameters``: before a gather, release idle gathered units (oldest first) so at most
+  this many elements are materialized (units in use are never released).
+* ``max_reuse_distance``: after forward, a unit stays gathered if its backward comes within this
+  many elements of other units' gathers (``2 * sum(sizes of later units in its chunk)``); after
+  backward, if the next micro-batch's forward does (``2 * sum(sizes of earlier units)``).  The
+  strict "<" makes 0 mean "always release" (the 3Φ configuration).
+* persistence (``param_persistence_threshold``) is decided by the optimizer: small parameters go
+  to an ordinary replicated region (stage-1 behaviour: gathered once per step, 2Φ_p).
+
+Execution order is recorded during the first step (no prefetch until it is known).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import Pending
+
+
+def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
+    """Return ``[(module, trainable params it alone claims)]`` in module order.
+
+    ``modules``: an explicit list of unit modules; parameters no listed module covers go to the
+    module that directly owns them, as in the default.
+    """
+    covered, units = set(), []
+
+    def claim(mod, params):
+        ps = [p for p in params if p.requires_grad and p not in covered]
+        if ps:
+            covered.update(ps)
+            units.append((mod, ps))
+
+    if modules is None:
+        modules = [child for m in chunk.modules() if isinstance(m, nn.ModuleList) for child in m]
+    for m in modules:
+        claim(m, m.parameters())
+    for m in chunk.modules():
+        claim(m, m.parameters(recurse=False))
+    return units
+
+
+class _Unit:
+    __slots__ = ("index", "chunk", "region", "in_fwd", "in_bwd", "pending", "stamp")
+
+    def __init__(self, index, chunk, region):
+        self.index, self.chunk, self.region = index, chunk, region
+        self.in_fwd = self.in_bwd = 0
+        self.pending: Pending | None = None
+        self.stamp = 0
+
+
+class ParamGatherer:
+    """Gathers and releases stage-3 units around their forward and backward."""
+
+    def __init__(self, units, *, prefetch_bucket_size: int, max_live_parameters: int,
+                 max_reuse_distance: int, overlap: bool):
+        """``units``: list of ``(module, region, chunk index)``."""
+        self.units = [_Unit(i, c, r) for i, (_, r, c) in enumerate(units)]
+        self.by_region = {id(u.region): u for u in self.units}
+        self.prefetch, self.max_live, self.reuse = prefetch_bucket_size, max_live_parameters, max_reuse_distance
+        self.overlap = overlap
+        self.live = 0  # gathered elements (padded)
+        self.clock = 0
+        self.seen: list[int] = []  # first-step execution order (unit indices)
+        self.order: dict[int, list[int]] | None = None  # chunk -> unit indices in forward order
+        self.pos: dict[int, int] = {}
+        self.handles = []
+        for (module, _, _), unit in zip(units, self.units):
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+            self.handles.append(module.register_forward_hook(self._post_forward(unit)))
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _pre_forward(self, unit):
+        def hook(module, args):
+            if self.order is None and unit.index not in self.pos:
+                self.pos[unit.index] = len(self.seen)
+                self.seen.append(unit.index)
+            self.fetch(unit)
+            unit.in_fwd += 1
+            self._prefetch_from(unit, +1)
+        return hook
+
+    def _post_forward(self, unit):
+        def hook(module, args, output):
+            unit.in_fwd -= 1
+            if torch.is_grad_enabled():
+                fired = [False]
+
+                def on_grad(grad):
+                    if not fired[0]:
+                        fired[0] = True
+                        self.fetch(unit)
+                        unit.in_bwd += 1
+                        self._prefetch_from(unit, -1)
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(on_grad)
+            self._maybe_release(unit, self._distance(unit, after_forward=True))
+        return hook
+
+    def backward_done(self, region) -> None:
+        """The optimizer saw the unit's round complete: all its gradients for this micro-batch."""
+        unit = self.by_region.get(id(region))
+        if unit is None:
+            return
+        unit.in_bwd = max(0, unit.in_bwd - 1)
+        self._maybe_release(unit, self._distance(unit, after_forward=False))
+
+    # ---- gather / release --------------------------------------------------------------------
+    def fetch(self, unit) -> None:
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+        elif not unit.region.gathered:
+            self._make_room(unit)
+            unit.region.gather(async_op=False).wait()
+            self.live += unit.region.padded
+        self.clock += 1
+        unit.stamp = self.clock
+
+    def _start(self, unit) -> None:
+        if unit.region.gathered or unit.pending is not None:
+            return
+        if self.live + unit.region.padded > self.max_live:
+            return
+        unit.pending = unit.region.gather(async_op=True)
+        self.live += unit.region.padded
+
+    def _release(self, unit) -> None:
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+        if unit.region.gathered:
+            unit.region.release()
+            self.live -= unit.region.padded
+
+    def _make_room(self, unit) -> None:
+        need = self.live + unit.region.padded - self.max_live
+        if need <= 0:
+            return
+        idle = sorted((u for u in self.units if u is not unit and u.region.gathered and u.pending is None
+                       and u.in_fwd == 0 and u.in_bwd == 0), key=lambda u: u.stamp)
+        for u in idle:
+            if need <= 0:
+                break
+            need -= u.region.padded
+            self._release(u)
+
+    def _maybe_release(self, unit, distance) -> None:
+        if unit.in_fwd or unit.in_bwd or distance < self.reuse:
+            return
+        self._release(unit)
+
+    def _distance(self, unit, after_forward: bool) -> float:
+        if self.order is None:
+            return float("inf")
+        seq = self.order[unit.chunk]
+        k = self.pos[unit.index]
+        others = seq[k + 1:] if after_forward else seq[:k]
+        return 2 * sum(self.units[i].region.padded for i in others)
+
+    def _prefetch_from(self, unit, direction: int) -> None:
+        if not self.overlap or self.order is None or self.prefetch <= 0:
+            return
+        seq = self.order[unit.chunk]
+        k = self.pos[unit.index] + direction
+        budget = 0
+        while 0 <= k < len(seq) and budget < self.prefetch:
+            nxt = self.units[seq[k]]
+            budget += nxt.region.padded
+            self._start(nxt)
+            k += direction
+
+    # ---- step boundary -----------------------------------------------------------------------
+    def end_of_step(self) -> None:
+        """Release everything (shards are about to change) and fix the execution order."""
+        for u in self.units:
+            self._release(u)
+            u.in_fwd = u.in_bwd = 0
+        if self.order is None and self.seen:
+            self.order = {}
+            for i in self.seen:
+                self.order.setdefault(self.units[i].chunk, []).append(i)
+            self.pos = {i: k for seq in self.order.values() for k, i in enumerate(seq)}
+            for u in self.units:  # never run in the first step: no prefetch, release eagerly
+                if u.index not in self.pos:
+                    self.order.setdefault(u.chunk, [])
+                    self.pos[u.index] = len(self.order[u.chunk])
+                    self.order[u.chunk].append(u.index)
+
+    def gather_all(self) -> None:
+        for u in self.units:
+            self.fetch(u)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
