@@ -145,7 +145,7 @@ class ColumnParallelLinear(_TPLayer):
     (or ``[..., out]`` with ``gather_output``). ``real_out_features`` (vocabulary heads) draws only
     that many rows and zero-pads to ``out_features``. ``forward(x, weight=None)`` may take an
     external weight of the local shape (tied output layer); ``skip_bias_add`` returns
-    ``(Y without bias, b)``.
+    ``(Y without bias, b)`` (``b`` gathered too with ``gather_output``).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool = True,
@@ -179,9 +179,12 @@ class ColumnParallelLinear(_TPLayer):
             x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, weight, bias)
-        if self.gather_output:
-            y = gather_from_tp_region(y, self.tp_group)
-        return (y, self.bias) if self.skip_bias_add else y
+        if not self.gather_output:
+            return (y, self.bias) if self.skip_bias_add else y
+        y = gather_from_tp_region(y, self.tp_group)
+        if not self.skip_bias_add:
+            return y
+        return y, None if self.bias is None else gather_from_tp_region(self.bias, self.tp_group)
 
 
 class RowParallelLinear(_TPLayer):

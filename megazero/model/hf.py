@@ -1,0 +1,209 @@
+"""Hugging Face GPT-2 / Llama weights <-> megazero, at any TP size (``transformers`` not needed).
+
+Conversion goes through the model's *full* state dict (:meth:`GPTModel.full_state_dict`): full,
+unpadded tensors keyed by megazero names, which :meth:`GPTModel.load_full_state_dict` slices for
+TP. Mapping for layer ``i`` (HF GPT-2's ``Conv1D`` weights are ``[in, out]`` and are transposed;
+rows of the fused matrices are concatenated in the order shown):
+
+=================================  ===========================================  ==============================
+megazero                           GPT2LMHeadModel (``transformer.``)            LlamaForCausalLM (``model.``)
+=================================  ===========================================  ==============================
+embedding.word_embeddings.weight   wte.weight                                   embed_tokens.weight
+embedding.position_embeddings      wpe.weight                                   (RoPE, none)
+layers.i.input_norm                h.i.ln_1                                     layers.i.input_layernorm
+layers.i.attention.qkv             h.i.attn.c_attn (``[Q; K; V]``)^T            cat(q_proj, k_proj, v_proj)
+layers.i.attention.dense           h.i.attn.c_proj^T                            o_proj
+layers.i.post_attention_norm       h.i.ln_2                                     post_attention_layernorm
+layers.i.mlp.fc1                   h.i.mlp.c_fc^T                               cat(gate_proj, up_proj)
+layers.i.mlp.fc2                   h.i.mlp.c_proj^T                             down_proj
+final_norm                         ln_f                                         norm
+output_layer.weight                (tied: lm_head = wte)                        lm_head.weight (untied)
+=================================  ===========================================  ==============================
+
+Both use the same head layout and RoPE convention as megazero (head-major rows, rotate-half), so
+no permutation is needed. ``load_hf(model, source)`` takes an HF state dict or a saved folder
+(``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``); ``to_hf_state_dict(model)``
+goes back (a collective over TP); ``config_from_hf`` builds the :class:`GPTConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import GPTConfig
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                    "gelu": "gelu"}
+
+
+def _as_dict(hf_config) -> dict:
+    return hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+
+
+def arch_of(hf: dict) -> str:
+    """``gpt2`` or ``llama`` from an HF config dict (``model_type``) or state dict (its keys)."""
+    if "model_type" in hf:
+        kind = hf["model_type"]
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported model_type {kind!r} (gpt2 or llama)")
+        return kind
+    if any(k.startswith("transformer.wte") for k in hf):
+        return "gpt2"
+    if any(k.endswith("embed_tokens.weight") for k in hf):
+        return "llama"
+    raise ValueError("cannot tell GPT-2 from Llama by these keys")
+
+
+def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """A :class:`GPTConfig` equal in architecture to an HF ``GPT2Config`` / ``LlamaConfig`` (or dict)."""
+    c = _as_dict(hf_config)
+    if arch_of(c) == "gpt2":
+        act = c.get("activation_function", "gelu_new")
+        if act not in GPT2_ACTIVATIONS:
+            raise ValueError(f"unsupported GPT-2 activation {act!r}")
+        if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+            raise ValueError("only GPT-2's default 1/sqrt(d) attention scaling is supported")
+        kw = dict(num_layers=c["n_layer"], hidden_size=c["n_embd"], num_attention_heads=c["n_head"],
+                  vocab_size=c["vocab_size"], ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"],
+                  seq_length=c["n_positions"], max_position_embeddings=c["n_positions"],
+                  position_embedding_type="learned_absolute", normalization="LayerNorm",
+                  norm_epsilon=c.get("layer_norm_epsilon", 1e-5), activation=GPT2_ACTIVATIONS[act],
+                  add_bias_linear=True, untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+                  attention_dropout=c.get("attn_pdrop", 0.1), hidden_dropout=c.get("resid_pdrop", 0.1),
+                  init_method_std=c.get("initializer_range", 0.02))
+    else:
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"unsupported RoPE scaling {rope}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported Llama activation {c.get('hidden_act')!r}")
+        if bool(c.get("attention_bias", False)) != bool(c.get("mlp_bias", False)):
+            raise ValueError("attention_bias and mlp_bias must agree (one add_bias_linear flag)")
+        heads = c["num_attention_heads"]
+        kw = dict(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=heads,
+                  num_query_groups=c.get("num_key_value_heads") or heads,
+                  kv_channels=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
+                  ffn_hidden_size=c["intermediate_size"], seq_length=c.get("max_position_embeddings", 2048),
+                  max_position_embeddings=c.get("max_position_embeddings", 2048), position_embedding_type="rope",
+                  rotary_base=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), normalization="RMSNorm",
+                  norm_epsilon=c.get("rms_norm_eps", 1e-6), activation="swiglu",
+                  add_bias_linear=bool(c.get("attention_bias", False)),
+                  untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+                  attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
+                  init_method_std=c.get("initializer_range", 0.02))
+    kw.update(overrides)
+    return GPTConfig(**kw)
+
+
+def _layer_map(arch: str, i: int) -> dict[str, list[tuple[str, bool]]]:
+    """megazero layer-``i`` suffix -> [(HF name, transpose)] whose rows are concatenated."""
+    if arch == "gpt2":
+        h = f"transformer.h.{i}."
+        return {"input_norm.weight": [(h + "ln_1.weight", False)], "input_norm.bias": [(h + "ln_1.bias", False)],
+                "attention.qkv.weight": [(h + "attn.c_attn.weight", True)],
+                "attention.qkv.bias": [(h + "attn.c_attn.bias", False)],
+                "attention.dense.weight": [(h + "attn.c_proj.weight", True)],
+                "attention.dense.bias": [(h + "attn.c_proj.bias", False)],
+                "post_attention_norm.weight": [(h + "ln_2.weight", False)],
+                "post_attention_norm.bias": [(h + "ln_2.bias", False)],
+                "mlp.fc1.weight": [(h + "mlp.c_fc.weight", True)], "mlp.fc1.bias": [(h + "mlp.c_fc.bias", False)],
+                "mlp.fc2.weight": [(h + "mlp.c_proj.weight", True)], "mlp.fc2.bias": [(h + "mlp.c_proj.bias", False)]}
+    h = f"model.layers.{i}."
+    m = {"input_norm.weight": [(h + "input_layernorm.weight", False)],
+         "post_attention_norm.weight": [(h + "post_attention_layernorm.weight", False)],
+         "attention.dense.weight": [(h + "self_attn.o_proj.weight", False)],
+         "mlp.fc2.weight": [(h + "mlp.down_proj.weight", False)]}
+    for kind in ("weight", "bias"):
+        m[f"attention.qkv.{kind}"] = [(h + f"self_attn.{x}_proj.{kind}", False) for x in "qkv"]
+        m[f"mlp.fc1.{kind}"] = [(h + f"mlp.{x}_proj.{kind}", False) for x in ("gate", "up")]
+    m["attention.dense.bias"] = [(h + "self_attn.o_proj.bias", False)]
+    m["mlp.fc2.bias"] = [(h + "mlp.down_proj.bias", False)]
+    return m
+
+
+def _global_map(arch: str) -> dict[str, list[tuple[str, bool]]]:
+    if arch == "gpt2":
+        return {"embedding.word_embeddings.weight": [("transformer.wte.weight", False)],
+                "embedding.position_embeddings.weight": [("transformer.wpe.weight", False)],
+                "final_norm.weight": [("transformer.ln_f.weight", False)],
+                "final_norm.bias": [("transformer.ln_f.bias", False)],
+                "output_layer.weight": [("lm_head.weight", False)]}
+    return {"embedding.word_embeddings.weight": [("model.embed_tokens.weight", False)],
+            "final_norm.weight": [("model.norm.weight", False)],
+            "output_layer.weight": [("lm_head.weight", False)]}
+
+
+def _full_map(arch: str, num_layers: int) -> dict[str, list[tuple[str, bool]]]:
+    m = _global_map(arch)
+    for i in range(num_layers):
+        m.update({f"layers.{i}.{k}": v for k, v in _layer_map(arch, i).items()})
+    return m
+
+
+def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> dict[str, torch.Tensor]:
+    """HF state dict -> megazero full state dict (names present in ``hf_state`` only)."""
+    arch = arch or arch_of(hf_state)
+    out = {}
+    for name, sources in _full_map(arch, config.num_layers).items():
+        if not all(src in hf_state for src, _ in sources):
+            continue
+        parts = [hf_state[src].t() if transpose else hf_state[src] for src, transpose in sources]
+        out[name] = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+    if config.tied_embeddings and "embedding.word_embeddings.weight" in out:
+        out.pop("output_layer.weight", None)  # the model uses (or copies) the embedding
+    return out
+
+
+def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
+    """megazero full state dict -> HF state dict (the inverse of :func:`hf_to_full`)."""
+    d, heads, groups, f = config.kv_channels, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
+    split = {"attention.qkv": [heads * d, groups * d, groups * d], "mlp.fc1": [f, f]}
+    out = {}
+    for name, targets in _full_map(arch, config.num_layers).items():
+        if name not in full_state:
+            continue
+        t = full_state[name]
+        if len(targets) > 1:
+            sizes = next(v for k, v in split.items() if f".{k}." in f".{name}")
+            pieces = t.split(sizes, 0)
+        else:
+            pieces = [t]
+        for (dst, transpose), piece in zip(targets, pieces):
+            out[dst] = (piece.t() if transpose else piece).contiguous()
+    if config.tied_embeddings and "embedding.word_embeddings.weight" in full_state:
+        out["lm_head.weight"] = full_state["embedding.word_embeddings.weight"]
+    return out
+
+
+def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, state dict) of a saved HF model folder (safetensors preferred)."""
+    with open(os.path.join(path, "config.json")) as fh:
+        config = json.load(fh)
+    st = os.path.join(path, "model.safetensors")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+        state = load_file(st)
+    else:
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    return config, state
+
+
+def load_hf(model, source) -> list[str]:
+    """Load an HF state dict, or a folder path, into ``model`` (any TP size or pipeline slice).
+
+    Returns the model's parameter names that the source lacked (none for a full model).
+    """
+    state = read_hf_folder(source)[1] if isinstance(source, (str, os.PathLike)) else source
+    full = hf_to_full(state, model.config, arch_of(state))
+    full = {k: v.to(model.config.params_dtype) for k, v in full.items()}
+    return model.load_full_state_dict(full, strict=False)
+
+
+def to_hf_state_dict(model, arch: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's (or slice's) weights as an HF state dict; collective over the TP group."""
+    if arch is None:
+        arch = "llama" if model.config.position_embedding_type == "rope" else "gpt2"
+    return full_to_hf(model.full_state_dict(), model.config, arch)
