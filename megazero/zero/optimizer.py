@@ -165,7 +165,18 @@ class ZeroOptimizer:
 
     @classmethod
     def from_args(cls, args, model_chunks, topo, **kw):
-        """Build from megazero.arguments (Megatron / DeepSpeed flag names)."""
+        """Build from megazero.arguments (Megatron / DeepSpeed flag names).
+
+        Unless given in ``kw``: ``shared_params`` are the chunks' ``shared_embedding_weight()``
+        (PP > 1, first/last stage) over ``topo.embedding_group``; ``tp_duplicated_params`` come
+        from :func:`tp_duplicated_params` (no import of the model package: duck typing).
+        """
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if "shared_params" not in kw and topo.pp > 1:
+            ws = [c.shared_embedding_weight() for c in chunks if hasattr(c, "shared_embedding_weight")]
+            kw["shared_params"] = [(w, topo.embedding_group) for w in ws if w is not None]
+        if "tp_duplicated_params" not in kw:
+            kw["tp_duplicated_params"] = tp_duplicated_params(chunks, topo)
         const = args.loss_scale if args.fp16 and args.loss_scale else None
         opts = dict(stage=args.zero_stage, num_micro_batches=args.num_micro_batches, lr=args.lr,
                     weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -182,7 +193,7 @@ class ZeroOptimizer:
                     max_live_parameters=args.zero_max_live_parameters,
                     max_reuse_distance=args.zero_max_reuse_distance)
         opts.update(kw)
-        return cls(model_chunks, topo, **opts)
+        return cls(chunks, topo, **opts)
 
     # ---- gradients -------------------------------------------------------------------------
     @property
@@ -230,7 +241,7 @@ class ZeroOptimizer:
     def step(self, lr: float | None = None):
         """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back.
 
-        Returns ``(True, grad_norm)`` or ``(False, None)`` when the step was skipped.
+        Returns ``(True, grad_norm)``, or ``(False, inf or nan)`` when the step was skipped.
         """
         self.finish_grad_sync()
         lr = self.lr if lr is None else lr
@@ -244,7 +255,7 @@ class ZeroOptimizer:
             self.skipped_iterations += 1
             self.nan_iterations += int(math.isnan(total))
             self._end_step(found_inf=True)
-            return False, None
+            return False, total
         norm = math.sqrt(total)
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
@@ -297,6 +308,36 @@ class ZeroOptimizer:
         finally:
             self.gatherer.end_of_step()
 
+    def zero_grad(self) -> None:
+        """Drop any gradient accumulated since the last step (``step`` already leaves none)."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
+        for r in self.regions:
+            for p in r.params:
+                p.grad = None
+            if r.dirty or not r.fresh:
+                r.counts, r.complete, r.dirty = [0] * len(r.params), 0, False
+                if r.full_grad is not None:
+                    r.full_grad.zero_()
+                r.zero_grad()
+
+    def reload_model_params(self) -> None:
+        """Re-read the fp32 master shards from the (freshly loaded) parameters.  Stage 3: call
+        inside ``with opt.gathered_params():`` right after loading the model's state dict."""
+        for r in self.regions:
+            shard = r.param_flat[r.shard_lo:r.shard_lo + r.shard_len]
+            r.master.copy_(shard)
+            if r.partitioned:
+                r.param_shard.copy_(shard)
+
+    def comm_scalars(self) -> dict:
+        """TensorBoard scalars of the last step's accounting."""
+        c = self.last_comm
+        if not c:
+            return {}
+        return {"zero/comm-multiple": c["dp_logical_multiple"], "zero/primitive-multiple": c["dp_primitive_multiple"],
+                "zero/state-bytes": float(self.state_bytes()["total"])}
+
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "scaler": self.scaler.state_dict(),
                 "skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
@@ -320,6 +361,28 @@ class ZeroOptimizer:
             h.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+
+
+def tp_duplicated_params(chunks, topo) -> list:
+    """Parameters replicated (not split) across TP ranks, whose gradient norm counts once.
+
+    A chunk may say so itself with a ``tp_duplicated_parameters()`` method.  Otherwise the
+    convention of ``megazero.tensor_parallel`` applies: a parameter is split iff its owning module
+    lists its name in a ``partitions`` dict; every other parameter (norms, row-parallel biases,
+    position embeddings) is duplicated.  With TP = 1 nothing is.
+    """
+    if topo.tp == 1:
+        return []
+    out = []
+    for chunk in chunks:
+        getter = getattr(chunk, "tp_duplicated_parameters", None)
+        if getter is not None:
+            out += list(getter())
+            continue
+        for m in chunk.modules():
+            parts = getattr(m, "partitions", None)
+            out += [p for n, p in m.named_parameters(recurse=False) if not (isinstance(parts, dict) and n in parts)]
+    return out
 
 
 def _buckets(params, size: int):

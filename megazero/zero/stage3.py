@@ -1,8 +1,9 @@
 """ZeRO stage 3: parameters partitioned per *unit*, gathered just in time, freed after use.
 
 A unit is a module whose parameters are gathered with one coalesced all-gather (volume L, over
-DP).  Default units (:func:`find_units`): every child of an ``nn.ModuleList`` (a transformer
-layer), then every other module that directly owns parameters (embedding, final norm, head).
+DP).  Default units (:func:`find_units`): every child of an ``nn.ModuleList``/``ModuleDict`` (a
+transformer layer), plus one unit on the chunk root for everything else (embedding, final norm,
+head), which therefore stays gathered through the chunk's forward and through its backward.
 
 Per micro-batch a unit is gathered before its forward (forward pre-hook) and again before its
 backward (hook on its outputs' gradients), and released after each, so one step with M
@@ -36,8 +37,10 @@ from .collectives import Pending
 def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
     """Return ``[(module, trainable params it alone claims)]`` in module order.
 
-    ``modules``: an explicit list of unit modules; parameters no listed module covers go to the
-    module that directly owns them, as in the default.
+    Default unit modules: the children of every ``nn.ModuleList``/``nn.ModuleDict`` (layers);
+    ``modules`` replaces that list.  Every parameter no unit module covers (embedding, final norm,
+    head, and weights used outside their own module, like a tied output projection) goes to one
+    unit on the chunk itself, gathered for the chunk's whole forward and backward.
     """
     covered, units = set(), []
 
@@ -48,11 +51,11 @@ def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
             units.append((mod, ps))
 
     if modules is None:
-        modules = [child for m in chunk.modules() if isinstance(m, nn.ModuleList) for child in m]
+        modules = [child for m in chunk.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+                   for child in (m.values() if isinstance(m, nn.ModuleDict) else m)]
     for m in modules:
         claim(m, m.parameters())
-    for m in chunk.modules():
-        claim(m, m.parameters(recurse=False))
+    claim(chunk, chunk.parameters())
     return units
 
 
