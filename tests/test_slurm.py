@@ -193,14 +193,19 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 
     def wait_done(self, job_id: int, timeout: float, release_requeued: bool = True) -> dict:
         """Poll until the job has finished; a requeued (held) job is released at once."""
-        deadline = time.time() + timeout
+        deadline, held_since = time.time() + timeout, None
         while time.time() < deadline:
             info = self.job(job_id)
             state = info.get("JobState")
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
                 return info
             if release_requeued and state == "PENDING" and info.get("Reason") == "BeginTime":
-                _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], self.env, check=False)
+                # slurmd revokes the old run's credential with 1 s resolution: a relaunch within
+                # the same second is refused ("Job credential revoked"), so wait a little first.
+                held_since = held_since or time.time()
+                if time.time() - held_since > 3:
+                    _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], self.env, check=False)
+                    held_since = None
             time.sleep(0.5)
         _run(["scancel", str(job_id)], self.env, check=False)
         raise AssertionError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s\n{self.logs()}")
@@ -265,6 +270,7 @@ def test_srun_sbatch_trains_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert Path(m.group(1)) == run_dir / "checkpoints"
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
     assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    print(f"--- job {job} output ({out})\n{log}")  # shown by pytest -rP / -s
 
 
 def test_torchrun_sbatch_trains_and_checkpoints(cluster, tmp_path):
@@ -283,3 +289,4 @@ def test_torchrun_sbatch_trains_and_checkpoints(cluster, tmp_path):
     ckpt = tmp_path / f"mz-torchrun-{job}" / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
     assert (ckpt / f"iter_{iters:07d}").is_dir()
+    print(f"--- job {job} output ({out})\n{log}")
