@@ -90,8 +90,7 @@ class GPTModel(nn.Module):
         self.padded_vocab = config.padded_vocab(self.tp)
         self.device = torch.device(device) if device is not None else default_device(self.tp_group)
         tp_rank = topo.tp_rank if topo is not None else 0
-        pp_rank = topo.pp_rank if topo is not None else 0
-        self.rng = RNGTracker(config.seed, tp_rank, pp_rank, self.device)
+        self.rng = RNGTracker(config.seed, tp_rank, stream=self.layer_start, device=self.device)
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, self.device)
         self.layers = nn.ModuleDict({

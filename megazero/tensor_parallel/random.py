@@ -3,14 +3,17 @@
 An :class:`RNGTracker` owns two explicit ``torch.Generator`` objects (no global RNG state is
 read or swapped):
 
-* ``"replicated"`` -- seeded with ``seed + 100 * pp_rank``; identical on every rank of a TP
-  group, so dropout on replicated activations (hidden dropout without sequence parallelism)
-  draws the same mask on every TP rank, keeping the replicas identical;
-* ``"tensor_parallel"`` -- seeded with ``seed + 2718 + 100 * pp_rank + tp_rank``; different on
-  every TP rank, for dropout on activations that are split across the group (attention
-  probabilities of this rank's heads; every activation of a sequence-parallel region).
+* ``"replicated"`` -- seeded from (seed, ``stream``); identical on every rank of a TP group, so
+  dropout on replicated activations (hidden dropout without sequence parallelism) draws the
+  same mask on every TP rank, keeping the replicas identical;
+* ``"tensor_parallel"`` -- seeded from (seed, ``stream``, tp_rank); different on every TP rank,
+  for dropout on activations that are split across the group (attention probabilities of this
+  rank's heads; every activation of a sequence-parallel region).
 
-Both are the same across data-parallel replicas, as in Megatron-LM. :func:`dropout` draws its
+``stream`` tells model slices apart: the model passes its first global layer number, so every
+pipeline stage and every virtual chunk on a rank draws independent masks. Seeds are hashed
+(:func:`megazero.tensor_parallel.layers.init_seed`), so no two streams collide. Both generators
+are the same across data-parallel replicas, as in Megatron-LM. :func:`dropout` draws its
 mask from a named generator (``mask = U[0,1) >= p``, ``y = x * mask / (1 - p)``).
 
 :func:`checkpoint` recomputes a function in the backward pass (``torch.utils.checkpoint``,
@@ -24,20 +27,20 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from .layers import init_seed
+
 REPLICATED = "replicated"
 TENSOR_PARALLEL = "tensor_parallel"
-TP_SEED_OFFSET = 2718
 
 
 class RNGTracker:
     """Named generators on one device; an object owned by the model (never module state)."""
 
-    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, tp_rank: int = 0, stream: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generators: dict[str, torch.Generator] = {}
-        base = seed + 100 * pp_rank
-        self.add(REPLICATED, base)
-        self.add(TENSOR_PARALLEL, base + TP_SEED_OFFSET + tp_rank)
+        self.add(REPLICATED, init_seed(seed, f"dropout/{REPLICATED}/{stream}"))
+        self.add(TENSOR_PARALLEL, init_seed(seed, f"dropout/{TENSOR_PARALLEL}/{stream}/{tp_rank}"))
 
     def add(self, name: str, seed: int) -> None:
         if name in self.generators:
