@@ -161,6 +161,15 @@ class GPTModel(nn.Module):
                                             self.config.label_smoothing)
         return loss.t().contiguous()  # [b, s] fp32
 
+    def tp_duplicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters replicated (not split) over the TP group: norms, row-parallel biases,
+        position embeddings. Their gradients are equal on all TP ranks (under SP too), so a
+        global gradient norm counts them once. Empty with TP = 1."""
+        if self.tp == 1:
+            return []
+        return [param for _, module, p_name, param in self._named_params()
+                if not (isinstance(module, _TPLayer) and module._partition(p_name) is not None)]
+
     # ---- full (layout-independent) tensors ----------------------------------------------------
     def _named_params(self):
         for mod_name, module in self.named_modules():

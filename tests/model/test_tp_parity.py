@@ -52,6 +52,10 @@ def _parity(rank, world, dtype):
             for sp in (False, True) if tp > 1 else (False,):
                 model = GPTModel(GPTConfig(**kw, params_dtype=dtype, sequence_parallel=sp), topo)
                 got = _step(model, ids, labels, topo.tp_group, 100)
+                dup = {id(p) for p in model.tp_duplicated_parameters()}
+                for name, p in model.named_parameters():  # replicated iff its full shape is local
+                    assert (id(p) in dup) == (tp > 1 and p.shape == ref_model.get_parameter(name).shape
+                                              and "word_embeddings" not in name and "output_layer" not in name)
                 key = f"{arch} tp{tp} sp{int(sp)}"
                 metric = _max_rel if dtype == torch.float32 else _norm_rel
                 errors[f"{key} logits"] = metric(got[0], ref[0])
