@@ -3,7 +3,7 @@ Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing), and a b
 
 Usage (what the training loop does for ``--pipeline-trace FILE``)::
 
-    trace = trace_for_step(args, iteration)          # a ScheduleTrace on the traced step, else None
+    trace = trace_for_step(args, steps_done)         # a ScheduleTrace on the traced step, else None
     losses = forward_backward(..., trace=trace)
     if trace is not None:
         write_pipeline_trace(args.pipeline_trace, trace, topo)   # collective over the world
@@ -121,11 +121,10 @@ def write_pipeline_trace(path: str, trace: ScheduleTrace, topo=None, print_fn=pr
     return rep
 
 
-def trace_for_step(args, iteration: int, traced_iteration: int | None = None) -> ScheduleTrace | None:
-    """A fresh trace if ``--pipeline-trace`` is set and this is the traced iteration (default:
-    the 3rd one run, past warm-up allocations), else None."""
-    if not getattr(args, "pipeline_trace", None):
+def trace_for_step(args, steps_done: int, at: int = 2) -> ScheduleTrace | None:
+    """A fresh :class:`ScheduleTrace` if ``--pipeline-trace FILE`` is set and ``steps_done``
+    (training steps this process has run so far, from 0) equals ``at`` -- by default the third
+    step, past the first steps' allocations -- else None."""
+    if not getattr(args, "pipeline_trace", None) or steps_done != at:
         return None
-    if traced_iteration is None:
-        traced_iteration = getattr(args, "iteration", 0) + 3
-    return ScheduleTrace() if iteration == traced_iteration else None
+    return ScheduleTrace()

@@ -83,3 +83,25 @@ def test_chunk_layer_ranges_megatron_order():
     assert chunk_roles(1, 1, 0) == [(True, True)]
     with pytest.raises(ValueError, match="evenly"):
         chunk_layer_ranges(6, 2, 2, 0)
+
+
+def test_trace_for_step_and_report():
+    from types import SimpleNamespace
+
+    from megazero.pipeline import bubble_report, chrome_trace, format_bubble_report, trace_for_step
+    assert trace_for_step(SimpleNamespace(pipeline_trace=None), 2) is None
+    args = SimpleNamespace(pipeline_trace="t.json")
+    assert trace_for_step(args, 1) is None and trace_for_step(args, 2) is not None
+    meta = {"tp_rank": 0, "dp_rank": 0, "pp": 2, "vp": 1, "m": 2, "schedule": "1f1b"}
+    traces = [{"meta": dict(meta, rank=0, pp_rank=0),
+               "events": [("forward m0 c0", "forward", 0.0, 1.0, {}), ("forward m1 c0", "forward", 1.0, 2.0, {}),
+                          ("backward m0 c0", "backward", 3.0, 4.0, {}), ("backward m1 c0", "backward", 5.0, 6.0, {})]},
+              {"meta": dict(meta, rank=1, pp_rank=1),
+               "events": [("p2p", "wait", 0.0, 1.0, {}), ("forward m0 c0", "forward", 1.0, 2.0, {}),
+                          ("backward m0 c0", "backward", 2.0, 3.0, {}), ("forward m1 c0", "forward", 3.0, 4.0, {}),
+                          ("backward m1 c0", "backward", 4.0, 5.0, {})]}]
+    rep = bubble_report(traces)
+    assert rep["bubble_per_rank"] == {0: 0.5, 1: 0.5} and rep["bubble_theory"] == 0.5 and rep["step_time_s"] == 6.0
+    assert "theory (PP-1)/(VP*M) = 0.500" in format_bubble_report(rep)
+    ev = chrome_trace(traces)["traceEvents"]
+    assert sum(e["ph"] == "X" for e in ev) == 9 and {e["pid"] for e in ev} == {0, 1}
