@@ -71,16 +71,25 @@ def reference(data, *, lr=1e-2, wd=0.1, clip=0.0, layers=3, betas=(0.9, 0.95)):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_zero(topo, data, *, stage, M, layers=3, lr=1e-2, wd=0.1, betas=(0.9, 0.95), model=None, hook=None, **kw):
-    """Train Net with ZeroOptimizer on this rank's share of ``data``; returns (params, opt, oks)."""
+def train_zero(topo, data, *, stage, M, layers=3, lr=1e-2, wd=0.1, betas=(0.9, 0.95), model=None, hook=None,
+               pre=None, **kw):
+    """Train Net with ZeroOptimizer on this rank's share of ``data``; returns (params, opt, oks).
+
+    ``pre(it, model, opt)`` runs before an iteration's micro-batches and may return a hook
+    handle (removed after them); ``hook(it, model, opt)`` runs between backward and step.
+    """
     from megazero.zero import ZeroOptimizer
     model = model or Net(layers)
     opt = ZeroOptimizer(model, topo, stage=stage, num_micro_batches=M, lr=lr, weight_decay=wd, betas=betas, **kw)
     oks = []
     for it, step in enumerate(data):
+        handle = pre(it, model, opt) if pre is not None else None
         for k, (x, y) in enumerate(step[topo.dp_rank]):
             loss = model(x, y)
             loss.backward(opt.loss_scale / M)
+        if handle is not None:
+            handle.remove()
+        opt.finish_grad_sync()
         if hook is not None:
             hook(it, model, opt)
         oks.append(opt.step())

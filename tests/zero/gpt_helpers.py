@@ -32,13 +32,13 @@ def args_for(stage, M, **kw):
     return SimpleNamespace(**a)
 
 
-def gpt_reference(data, *, tied=True, clip=0.0, lr=1e-2, wd=0.1, betas=(0.9, 0.95)):
+def gpt_reference(data, *, tied=True, clip=0.0, lr=1e-2, wd=0.1, betas=(0.9, 0.95), eps=1e-8):
     from megazero.model import GPTConfig, GPTModel
     model = GPTModel(GPTConfig(**CFG, untie_embeddings_and_output_weights=not tied))
     ps = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": wd},
                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=lr, betas=betas, foreach=True)
+                            lr=lr, betas=betas, eps=eps, foreach=True)
     for step in data:
         mbs = [mb for rank in step for mb in rank]
         for mb in mbs:
