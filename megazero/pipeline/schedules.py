@@ -90,8 +90,9 @@ class _Runner:
         recv_ops = [op for op in ops if op.op == "recv"]
         received = self.comm.exchange(sends, [op.peer for op in recv_ops])
         for (tensor, _), op in zip(sends, [op for op in ops if op.op == "send"]):
-            if op.what == "act":  # free the sent activation's storage; its edge stays for backward
-                tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+            if op.what == "act" and tensor._base is None:  # free the sent activation's storage
+                tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)  # (a view's base
+                # would keep it alive anyway); its autograd edge stays for the backward
         for t, op in zip(received, recv_ops):
             if op.what == "act":
                 self.inputs[(op.mb, op.chunk)] = t.requires_grad_(not self.forward_only)
