@@ -1,0 +1,393 @@
+"""Memory planner: per-GPU memory and communication of every (TP, PP, DP, ZeRO) layout.
+
+    python -m megazero.plan --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 2048 --micro-batch-size 4 --vocab-size 50257 --world-size 16 --bf16
+
+Every ``pretrain_gpt.py`` flag is accepted (model shape, ``--swiglu``, ``--sequence-parallel``,
+``--recompute-*``, ``--num-layers-per-virtual-pipeline-stage``, ``--global-batch-size``...), so a
+training command line can be planned as is. ``--tensor-model-parallel-size``,
+``--pipeline-model-parallel-size`` and ``--zero-stage`` fix that dimension when given;
+otherwise every valid value is tried (with DP = 1 the ZeRO stages coincide: stage 0 only). Valid layouts: TP divides the heads (and the KV groups) and
+TP <= ``--max-tensor-parallel-size`` (8, one node), PP divides the layers (and PP * layers per
+virtual stage divides them with interleaving), DP = world / (TP PP) is whole, and with
+``--global-batch-size`` the micro-batch count M = GBS / (mbs DP) is whole (a multiple of PP
+when interleaved). Without it, M = 4 PP (enough to fill the pipeline).
+
+**Parameters per rank (Φ)** -- this rank's TP slice of its pipeline stage: per layer
+``2 n_h + (H + 2G) d h / t + H d h / t + k f h / t`` weights (norm weights, QKV, dense, MLP with
+``k = 3`` for SwiGLU else 2; ``n_h = 2h`` with LayerNorm, ``h`` with RMSNorm) plus biases
+``(H + 2G) d / t + h + k' f / t + h`` (``k' = 2`` SwiGLU else 1); the first stage adds the word
+embedding ``V' h / t`` (V' = vocab padded to a multiple of 128 t) and learned positions
+``P h``; the last stage adds the final norm and, when the embedding is untied or PP > 1 (the
+last stage keeps a tied copy), the output layer ``V' h / t``.
+
+**Model states (ZeRO)**, N = DP, bytes per parameter: p (params: 2 with --fp16/--bf16, else 4),
+g (grads: 4 with --bf16, fp32 or --accumulate-allreduce-grads-in-fp32, else 2), 12 (fp32
+master + Adam m and v)::
+
+    stage 0   (p + g + 12) Φ             --fp16: 16 Φ
+    stage 1   (p + g) Φ + 12 Φ / N               4 Φ + 12 Φ / N
+    stage 2   p Φ + (g + 12) Φ / N               2 Φ + 14 Φ / N
+    stage 3   (p + g + 12) Φ / N                 16 Φ / N
+
+**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models"), bytes per layer per micro-batch, s sequence, b micro-batch, h hidden,
+a heads, t = TP (x2 in fp32)::
+
+    no recompute, no SP     s b h (10 + 24/t + 5 a s / (h t))
+    no recompute, SP        s b h (34 + 5 a s / h) / t
+    selective, no SP        s b h (10 + 24/t)
+    selective, SP           34 s b h / t
+    full                    2 s b h  (/t with SP) stored per recomputed block of
+                            --recompute-num-layers layers, plus one block's full activations
+                            live while it is recomputed
+
+A pipeline rank r holds ``in_flight(r)`` chunk-activations of L / (PP VP) layers each:
+``min(PP - r, M)`` with 1F1B (PP micro-batches on the first stage: L layers' worth, as without
+PP), ``min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP)`` interleaved (the first stage:
+``L (1 + (PP - 1) / (PP VP))`` layers' worth), 1 without pipelining
+(:func:`megazero.pipeline.plan.in_flight_bound`). The first stage adds the embedding dropout mask
+``s b h`` (/t with SP) per in-flight micro-batch, the last the output terms ``4 s b h / t + 4 s b V' / t``
+(final-norm and projection inputs, fp32 logits for the cross entropy).
+
+**Communication per step** (bytes each rank sends, ring-equivalent: all-reduce of X over n ranks
+``2 (n-1)/n X``, reduce-scatter or all-gather ``(n-1)/n X``), as megazero issues it::
+
+    DP  stage 0: AR(g Φ)   1: RS(g Φ) + AG(p Φ)   2: M RS(g Φ) + AG(p Φ)   3: M (2 AG(p Φ) + RS(g Φ))
+    TP  per micro-batch and layer 4 AR(s b h A) (6 with full recompute; SP's AG/RS pairs are equal)
+    PP  per micro-batch 2 VP s b h A (/t with SP): activations forward, gradients backward
+
+(A = activation bytes, 2 or 4.) A layout's figures are those of its most loaded pipeline stage
+(largest total memory). Not counted: CUDA context and allocator fragmentation, communication
+buckets, ZeRO-3's gathered working set (a layer or two of full parameters), temporaries of the
+largest kernels. Leave ~10-20 % of the device for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The GPT's shape; ``from_args`` reads Megatron-style flags (megazero.arguments)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    max_position_embeddings: int | None = None
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    layernorm: bool = True  # False: RMSNorm (no bias)
+    learned_positions: bool = True
+    tied_embeddings: bool = True
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self):
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.ffn_hidden_size is None:  # megazero.model.GPTConfig's defaults
+            object.__setattr__(self, "ffn_hidden_size", (int(8 * h / 3 / 64) * 64 or 64) if self.swiglu else 4 * h)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", a)
+        if self.kv_channels is None:
+            object.__setattr__(self, "kv_channels", h // a)
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+
+    @classmethod
+    def from_args(cls, args) -> "Shape":
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+                   kv_channels=args.kv_channels, max_position_embeddings=args.max_position_embeddings,
+                   swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+                   layernorm=args.normalization == "LayerNorm",
+                   learned_positions=args.position_embedding_type == "learned_absolute",
+                   tied_embeddings=not args.untie_embeddings_and_output_weights,
+                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# ---- parameters ------------------------------------------------------------------------------
+def norm_params(shape: Shape) -> int:
+    return 2 * shape.hidden_size if shape.layernorm else shape.hidden_size
+
+
+def layer_params(shape: Shape, tp: int = 1) -> int:
+    """One transformer layer's parameters on one TP rank (norms and row-parallel biases whole)."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    up = 2 * f if shape.swiglu else f
+    weights = (q + 2 * kv) * h // tp + q * h // tp + up * h // tp + f * h // tp
+    biases = ((q + 2 * kv) // tp + h + up // tp + h) if shape.add_bias_linear else 0
+    return weights + biases + 2 * norm_params(shape)
+
+
+def embedding_params(shape: Shape, tp: int = 1) -> int:
+    positions = shape.max_position_embeddings * shape.hidden_size if shape.learned_positions else 0
+    return shape.padded_vocab(tp) // tp * shape.hidden_size + positions
+
+
+def head_params(shape: Shape, tp: int = 1, pp: int = 1) -> int:
+    """Final norm, plus the output layer when untied or on a last stage that is not the first."""
+    output = shape.padded_vocab(tp) // tp * shape.hidden_size if (not shape.tied_embeddings or pp > 1) else 0
+    return norm_params(shape) + output
+
+
+def stage_params(shape: Shape, tp: int, pp: int, rank: int) -> int:
+    """Φ of pipeline rank ``rank``: L/PP layers, the embedding on the first, the head on the last."""
+    phi = shape.num_layers // pp * layer_params(shape, tp)
+    if rank == 0:
+        phi += embedding_params(shape, tp)
+    if rank == pp - 1:
+        phi += head_params(shape, tp, pp)
+    return phi
+
+
+def total_params(shape: Shape) -> int:
+    """The whole model (TP = PP = 1), padded vocabulary included."""
+    return stage_params(shape, 1, 1, 0)
+
+
+# ---- model states --------------------------------------------------------------------------
+def model_state_bytes(phi: float, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
+                      optim_bytes: int = 12) -> float:
+    """ZeRO model states per rank; defaults give 16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N."""
+    p, g, k, n = param_bytes, grad_bytes, optim_bytes, dp
+    return {0: (p + g + k) * phi, 1: (p + g) * phi + k * phi / n,
+            2: p * phi + (g + k) * phi / n, 3: (p + g + k) * phi / n}[stage]
+
+
+# ---- activations ---------------------------------------------------------------------------
+def layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sp: bool = False,
+                           recompute: str | None = None) -> float:
+    """Korthikanti et al.: bytes one layer keeps for one micro-batch (2-byte activations).
+
+    ``recompute``: None, ``selective`` or ``full`` (full: only the layer input, 2 s b h).
+    """
+    sbh, t = s * b * h, tp
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
+    if sp:
+        return sbh * (34 + 5 * a * s / h) / t
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def chunk_activation_bytes(layers: int, s: int, b: int, h: int, a: int, tp: int, sp: bool,
+                           recompute: str | None, method: str | None, num_layers: int | None) -> tuple[float, float]:
+    """(kept, transient) bytes of one model chunk of ``layers`` layers for one micro-batch.
+
+    Full recompute, ``uniform``: the input of every block of ``num_layers`` layers is kept;
+    ``block``: the first ``num_layers`` layers keep only their input, the rest everything.
+    The transient is one block recomputing its full activations during the backward.
+    """
+    full = layer_activation_bytes(s, b, h, a, tp, sp)
+    if recompute != "full":
+        return layers * layer_activation_bytes(s, b, h, a, tp, sp, recompute), 0.0
+    n = max(1, min(num_layers or 1, layers))
+    stored = layer_activation_bytes(s, b, h, a, tp, sp, "full")
+    if method == "block":
+        return n * stored + (layers - n) * full, full
+    return math.ceil(layers / n) * stored, n * full
+
+
+# ---- one layout ----------------------------------------------------------------------------
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    vp: int = 1
+    micro_batches: int = 1
+    stage: int = 0              # the pipeline rank reported (most memory)
+    params: int = 0             # Φ of that rank
+    model_state_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    total_bytes: float = 0.0
+    comm_dp_bytes: float = 0.0
+    comm_tp_bytes: float = 0.0
+    comm_pp_bytes: float = 0.0
+    fits: bool = False
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.comm_dp_bytes + self.comm_tp_bytes + self.comm_pp_bytes
+
+
+def _ar(x, n):
+    return 2 * (n - 1) / n * x
+
+
+def _rs(x, n):
+    return (n - 1) / n * x
+
+
+def estimate(shape: Shape, tp: int, pp: int, dp: int, zero: int, *, micro_batch_size: int, micro_batches: int,
+             vp: int = 1, param_bytes: int = 2, grad_bytes: int = 2, sequence_parallel: bool = False,
+             recompute: str | None = None, recompute_method: str | None = None,
+             recompute_num_layers: int | None = None, gpu_memory_gb: float = 80.0) -> Layout:
+    """Memory and communication of one layout, at its most loaded pipeline stage."""
+    from megazero.pipeline.plan import in_flight_bound
+    s, b, h, a = shape.seq_length, micro_batch_size, shape.hidden_size, shape.num_attention_heads
+    sp = sequence_parallel and tp > 1
+    act_scale = 2 if param_bytes == 4 else 1  # the formulas count 2-byte activations
+    m, v, L = micro_batches, vp, shape.num_layers
+    V = shape.padded_vocab(tp)
+    kept, transient = chunk_activation_bytes(L // (pp * v), s, b, h, a, tp, sp, recompute, recompute_method,
+                                             recompute_num_layers)
+    best = None
+    for r in range(pp):
+        phi = stage_params(shape, tp, pp, r)
+        states = model_state_bytes(phi, zero, dp, param_bytes, grad_bytes)
+        k = in_flight_bound(pp, v, m, r)
+        act = k * kept + transient
+        if r == 0:
+            act += min(-(-k // v), m) * s * b * h / (tp if sp else 1)
+        if r == pp - 1:
+            act += 4 * s * b * h / tp + 4 * s * b * V / tp
+        act *= act_scale
+        if best is None or states + act > best.total_bytes:
+            best = Layout(tp, pp, dp, zero, v, m, r, phi, states, act, states + act)
+    phi = best.params
+    if dp > 1:
+        gp, pb = grad_bytes * phi, param_bytes * phi
+        best.comm_dp_bytes = {0: _ar(gp, dp), 1: _rs(gp, dp) + _rs(pb, dp), 2: m * _rs(gp, dp) + _rs(pb, dp),
+                              3: m * (2 * _rs(pb, dp) + _rs(gp, dp))}[zero]
+    A = 2 * act_scale
+    if tp > 1:
+        per_layer = (6 if recompute == "full" else 4) * _ar(s * b * h * A, tp)
+        best.comm_tp_bytes = m * (L // pp) * per_layer
+    if pp > 1:
+        best.comm_pp_bytes = m * 2 * v * s * b * h * A / (tp if sp else 1)
+    best.fits = best.total_bytes <= gpu_memory_gb * GiB
+    return best
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(shape: Shape, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
+         tp: int | None = None, pp: int | None = None, zero: int | None = None, max_tp: int = 8,
+         layers_per_virtual_stage: int | None = None, **kw) -> list[Layout]:
+    """Every valid layout, sorted by per-GPU memory (then communication)."""
+    out = []
+    for t in ([tp] if tp else divisors(world_size)):
+        if t > max_tp or shape.num_attention_heads % t or shape.num_query_groups % t:
+            continue
+        for p in ([pp] if pp else divisors(world_size // t)):
+            if world_size % (t * p) or shape.num_layers % p:
+                continue
+            v = 1
+            if layers_per_virtual_stage and p > 1:
+                if shape.num_layers % (p * layers_per_virtual_stage):
+                    continue
+                v = shape.num_layers // (p * layers_per_virtual_stage)
+            n = world_size // (t * p)
+            if global_batch_size:
+                if global_batch_size % (micro_batch_size * n):
+                    continue
+                m = global_batch_size // (micro_batch_size * n)
+                if v > 1 and m % p:
+                    continue
+            else:
+                m = 4 * p
+            # With DP = 1 every ZeRO stage is stage 0: list it once unless a stage was asked for.
+            for z in ([zero] if zero is not None else [0, 1, 2, 3] if n > 1 else [0]):
+                out.append(estimate(shape, t, p, n, z, micro_batch_size=micro_batch_size, micro_batches=m,
+                                    vp=v, **kw))
+    return sorted(out, key=lambda x: (x.total_bytes, x.comm_bytes))
+
+
+# ---- command line --------------------------------------------------------------------------
+def build_parser():
+    from megazero.arguments import build_parser as megatron_parser
+    p = megatron_parser(prog="python -m megazero.plan")
+    p.description = "Per-GPU memory and communication of every (TP, PP, DP, ZeRO) layout (see docs/plan.md)."
+    g = p.add_argument_group("planner")
+    g.add_argument("--world-size", type=int, required=True, help="number of GPUs")
+    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="device memory in GiB [80]")
+    g.add_argument("--max-tensor-parallel-size", type=int, default=8, help="largest TP tried [8: one node]")
+    g.add_argument("--fits-only", action="store_true", help="list only the layouts that fit")
+    g.add_argument("--json", action="store_true", help="one JSON object per layout instead of the table")
+    p.set_defaults(tensor_model_parallel_size=None, pipeline_model_parallel_size=None, zero_stage=None)
+    return p
+
+
+def _fmt(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def format_table(layouts: list[Layout], gpu_memory_gb: float) -> str:
+    head = (f"{'TP':>3} {'PP':>3} {'VP':>3} {'DP':>4} {'ZeRO':>4} {'M':>4} {'stage':>5} {'params/rank':>13} "
+            f"{'states':>8} {'activ.':>8} {'total':>8} {'comm/step':>9} {'(dp':>8} {'tp':>8} {'pp)':>8}  fits "
+            f"{gpu_memory_gb:g} GiB")
+    rows = [head, "-" * len(head)]
+    for x in layouts:
+        rows.append(f"{x.tp:>3} {x.pp:>3} {x.vp:>3} {x.dp:>4} {x.zero:>4} {x.micro_batches:>4} {x.stage:>5} "
+                    f"{x.params:>13,} {_fmt(x.model_state_bytes)} {_fmt(x.activation_bytes)} {_fmt(x.total_bytes)} "
+                    f"{_fmt(x.comm_bytes):>9} {_fmt(x.comm_dp_bytes)} {_fmt(x.comm_tp_bytes)} "
+                    f"{_fmt(x.comm_pp_bytes)}  {'yes' if x.fits else '-'}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                           "vocab_size") if getattr(args, f) is None]
+    if missing:
+        parser.error("needs " + ", ".join("--" + f.replace("_", "-") for f in missing))
+    if args.fp16 and args.bf16:
+        parser.error("--fp16 and --bf16 are mutually exclusive")
+    shape = Shape.from_args(args)
+    param_bytes = 2 if (args.fp16 or args.bf16) else 4
+    grad_bytes = 4 if (args.bf16 or param_bytes == 4 or args.accumulate_allreduce_grads_in_fp32) else 2
+    layouts = plan(shape, args.world_size, micro_batch_size=args.micro_batch_size,
+                   global_batch_size=args.global_batch_size, tp=args.tensor_model_parallel_size,
+                   pp=args.pipeline_model_parallel_size, zero=args.zero_stage,
+                   max_tp=args.max_tensor_parallel_size,
+                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage, param_bytes=param_bytes,
+                   grad_bytes=grad_bytes, sequence_parallel=args.sequence_parallel,
+                   recompute=args.recompute_granularity, recompute_method=args.recompute_method,
+                   recompute_num_layers=args.recompute_num_layers, gpu_memory_gb=args.gpu_memory_gb)
+    if args.fits_only:
+        layouts = [x for x in layouts if x.fits]
+    if args.json:
+        for x in layouts:
+            print(json.dumps(dict(asdict(x), comm_bytes=x.comm_bytes)))
+        return 0
+    dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    print(f"model: {total_params(shape):,} parameters (vocab {shape.vocab_size} padded to "
+          f"{shape.padded_vocab(1)} at TP 1); world {args.world_size}; {dtype} (params {param_bytes} B, grads "
+          f"{grad_bytes} B, optimizer 12 B per parameter); seq {shape.seq_length}, micro-batch "
+          f"{args.micro_batch_size}; recompute {args.recompute_granularity or 'none'}"
+          f"{', sequence parallel' if args.sequence_parallel else ''}")
+    if not layouts:
+        print("no valid layout")
+        return 1
+    print(format_table(layouts, args.gpu_memory_gb))
+    print(f"{sum(x.fits for x in layouts)} of {len(layouts)} layouts fit {args.gpu_memory_gb:g} GiB; memory and "
+          "communication in GiB per GPU (the most loaded pipeline stage); see docs/plan.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
