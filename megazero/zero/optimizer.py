@@ -137,7 +137,7 @@ class ZeroOptimizer:
                 if ups:
                     r = region(ups, c, partitioned=True, flush_every=1, keep_full=False)
                     self.regions.append(r)
-                    stage3_units.append((module, r, c))
+                    stage3_units.append((module, r, c, module is chunk))
             if persistent:
                 self.persistent_numel += sum(p.numel() for p in persistent)
                 self.regions.append(region(list(reversed(persistent)), c, flush_every=self.M, keep_full=True))

@@ -60,10 +60,10 @@ def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
 
 
 class _Unit:
-    __slots__ = ("index", "chunk", "region", "in_fwd", "in_bwd", "pending", "stamp")
+    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "pending", "stamp")
 
-    def __init__(self, index, chunk, region):
-        self.index, self.chunk, self.region = index, chunk, region
+    def __init__(self, index, chunk, region, root):
+        self.index, self.chunk, self.region, self.root = index, chunk, region, root
         self.in_fwd = self.in_bwd = 0
         self.pending: Pending | None = None
         self.stamp = 0
@@ -74,8 +74,9 @@ class ParamGatherer:
 
     def __init__(self, units, *, prefetch_bucket_size: int, max_live_parameters: int,
                  max_reuse_distance: int, overlap: bool):
-        """``units``: list of ``(module, region, chunk index)``."""
-        self.units = [_Unit(i, c, r) for i, (_, r, c) in enumerate(units)]
+        """``units``: list of ``(module, region, chunk index, is the chunk root)``; a root unit
+        spans its chunk's whole forward and backward, so it is never prefetched."""
+        self.units = [_Unit(i, c, r, root) for i, (_, r, c, root) in enumerate(units)]
         self.by_region = {id(u.region): u for u in self.units}
         self.prefetch, self.max_live, self.reuse = prefetch_bucket_size, max_live_parameters, max_reuse_distance
         self.overlap = overlap
@@ -85,7 +86,7 @@ class ParamGatherer:
         self.order: dict[int, list[int]] | None = None  # chunk -> unit indices in forward order
         self.pos: dict[int, int] = {}
         self.handles = []
-        for (module, _, _), unit in zip(units, self.units):
+        for (module, _, _, _), unit in zip(units, self.units):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
             self.handles.append(module.register_forward_hook(self._post_forward(unit)))
 
@@ -187,8 +188,9 @@ class ParamGatherer:
         budget = 0
         while 0 <= k < len(seq) and budget < self.prefetch:
             nxt = self.units[seq[k]]
-            budget += nxt.region.padded
-            self._start(nxt)
+            if not nxt.root:
+                budget += nxt.region.padded
+                self._start(nxt)
             k += direction
 
     # ---- step boundary -----------------------------------------------------------------------

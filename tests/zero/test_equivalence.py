@@ -45,6 +45,10 @@ def test_fp32_two_ranks_all_stages_clip_overlap():
     configs = [dict(stage=s, overlap_comm=o, clip_grad=c, reduce_bucket_size=300, param_persistence_threshold=0,
                     max_reuse_distance=0, prefetch_bucket_size=600)
                for s in (0, 1, 2, 3) for o in (True, False) for c in (0.0, 0.05)]
+    # NCCL's true ring primitives (and gloo's list reduce-scatter) run through the same code
+    configs += [dict(stage=s, clip_grad=0.05, reduce_bucket_size=300, param_persistence_threshold=0,
+                     max_reuse_distance=0, primitives={"reduce_scatter": rs, "all_gather": "all_gather_into_tensor"})
+                for s, rs in ((2, "reduce_scatter_tensor"), (3, "reduce_scatter_list"))]
     _check(launch(_run, 2, configs, data, M), configs, data, M)
 
 
