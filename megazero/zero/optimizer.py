@@ -152,6 +152,11 @@ class ZeroOptimizer:
 
         self.phi = sum(r.numel for r in self.regions)
         self._hooks = []
+        if self.gatherer is not None:  # loading model weights re-reads the fp32 master shards
+            self.gatherer.hook_state_dicts(chunks, self.reload_model_params)
+        else:
+            self._hooks += [c.register_load_state_dict_post_hook(lambda m, k: self.reload_model_params())
+                            for c in chunks]
         for r in self.regions:
             for i, p in enumerate(r.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(r, i)))
@@ -322,8 +327,8 @@ class ZeroOptimizer:
                 r.zero_grad()
 
     def reload_model_params(self) -> None:
-        """Re-read the fp32 master shards from the (freshly loaded) parameters.  Stage 3: call
-        inside ``with opt.gathered_params():`` right after loading the model's state dict."""
+        """Re-read the fp32 master shards from the parameters (done automatically after a
+        chunk's ``load_state_dict``; stage 3 otherwise needs ``with opt.gathered_params():``)."""
         for r in self.regions:
             shard = r.param_flat[r.shard_lo:r.shard_lo + r.shard_len]
             r.master.copy_(shard)

@@ -214,6 +214,31 @@ class ParamGatherer:
         for u in self.units:
             self.fetch(u)
 
+    def hook_state_dicts(self, chunks, reload) -> None:
+        """Make ``chunk.state_dict()`` / ``load_state_dict()`` see full parameters: gather all
+        before; after ``state_dict`` clone the gathered tensors into the result and release;
+        after ``load_state_dict`` re-read the shards (``reload()``) and release."""
+        def pre(module, prefix, keep_vars):
+            self.gather_all()
+
+        def post(module, sd, prefix, local_metadata):
+            ptrs = {u.region.param_flat.untyped_storage().data_ptr() for u in self.units}
+            for k, v in sd.items():
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in ptrs:
+                    sd[k] = v.clone()
+            self.end_of_step()
+
+        def load_pre(module, *args):
+            self.gather_all()
+
+        def load_post(module, incompatible_keys):
+            reload()
+            self.end_of_step()
+        for c in chunks:
+            self.handles += [c.register_state_dict_pre_hook(pre), c.register_state_dict_post_hook(post),
+                             c.register_load_state_dict_pre_hook(load_pre),
+                             c.register_load_state_dict_post_hook(load_post)]
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()

@@ -29,7 +29,16 @@ def _train(rank, world, args, data):
         opt.finish_grad_sync()
         assert opt.step()[0]
     with opt.gathered_params():
-        return [p.detach().clone() for p in model.parameters()], opt.last_comm, len(opt.regions)
+        params = [p.detach().clone() for p in model.parameters()]
+    # checkpoint round trip: state_dict() gathers, load_state_dict() re-reads the master shards
+    sd = model.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(sd.values(), params))
+    model2 = Net(seed=5)
+    opt2 = ZeroOptimizer.from_args(args, [model2], topo)
+    model2.load_state_dict(sd)
+    assert all(torch.equal(a["master"], b["master"]) for a, b in zip(opt.state_dict()["shards"],
+                                                                      opt2.state_dict()["shards"]))
+    return params, opt.last_comm, len(opt.regions)
 
 
 def test_seed_deepspeed_config_trains(tmp_path):
