@@ -2,7 +2,7 @@
 
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` children.  Each child, before
 any torch op, pins itself to one intra-op thread (forked children with a multi-threaded pool can
-hang), joins a gloo process group through a ``TCPStore`` owned by the parent, calls
+hang), joins a gloo process group through a ``TCPStore`` hosted by rank 0, calls
 ``fn(rank, world_size, *args, **kwargs)`` and sends back its result (pickled) or its traceback.
 
 The parent returns the list of results in rank order, or raises :class:`RankFailure` naming
@@ -10,6 +10,9 @@ every rank that failed with its traceback.  When one rank fails the others usual
 collective, so they get ``grace_s`` seconds to finish and are then killed; when nothing fails
 but ``timeout_s`` passes, every rank is killed and :class:`RankTimeout` names the ranks that
 were still running.  Nothing is left behind either way.
+
+The parent starts no threads of its own (no store server, no process group): forking a process
+whose other threads may hold a lock (malloc, a store's event loop) can deadlock the child.
 
 Forking costs ~0.2 s for 8 ranks, so tests share start-up cost by checking several layouts
 inside one launched function rather than by keeping a pool alive.
@@ -47,7 +50,7 @@ def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s)
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
                               timeout=timedelta(seconds=collective_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
@@ -68,11 +71,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
 
     Returns the per-rank results; raises :class:`RankFailure` or :class:`RankTimeout`.
     """
-    import torch.distributed as dist
     ctx = mp.get_context("fork")
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                          timeout=timedelta(seconds=collective_timeout_s), wait_for_workers=False)
     procs, conns = [], {}
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
@@ -107,7 +107,6 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join()
-        del store
     stuck = sorted(conns.values())
     if errors:
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]

@@ -54,7 +54,8 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
         from megazero.pipeline.trace import trace_for_step, write_pipeline_trace
         args = self.args
-        trace = trace_for_step(args, self.iteration + 1, traced_iteration=min(self.first_iteration + 3, args.train_iters))
+        steps_done = self.iteration - self.first_iteration
+        trace = trace_for_step(args, steps_done, at=min(2, args.train_iters - self.first_iteration - 1))
         self.optimizer.zero_grad()
         losses = run_schedule(args, self.chunks, micro_batches, self.topo, grad_scale=self.optimizer.loss_scale,
                               forward_only=False, trace=trace)
@@ -98,7 +99,9 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
         args = self.args
-        state = {"model": [c.state_dict() for c in self.chunks], "rng": rng_state(self.chunks),
+        with self.optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
+            model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in self.chunks]
+        state = {"model": model, "rng": rng_state(self.chunks),
                  "scheduler": self.scheduler.state_dict(), "counters": {"skipped": self.skipped, "nans": self.nans}}
         if not args.no_save_optim:
             state["optimizer"] = self.optimizer.state_dict()
@@ -118,12 +121,15 @@ class Trainer:
         meta = ckpt.read_metadata(args.load, iteration)
         ckpt.check_layout(meta["layout"], ckpt.layout_of(args), ckpt.iteration_dir(args.load, iteration))
         state = ckpt.load_rank_state(args.load, iteration, self.rank)
-        for chunk, sd in zip(self.chunks, state["model"]):
-            chunk.load_state_dict(sd)
+        if len(state["model"]) != len(self.chunks):
+            raise ckpt.CheckpointError(f"{ckpt.rank_file(ckpt.iteration_dir(args.load, iteration), self.rank)} holds "
+                                       f"{len(state['model'])} model chunks, this run has {len(self.chunks)}")
+        with self.optimizer.gathered_params():
+            for chunk, sd in zip(self.chunks, state["model"]):
+                chunk.load_state_dict(sd)
+            self.optimizer.reload_model_params()
         if not args.no_load_optim and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            self.optimizer.reload_model_params()
         if args.finetune:
             _print_rank(self.rank, 0, f"loaded weights from {args.load} iteration {iteration} (finetune: iteration 0)")
             return

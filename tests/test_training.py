@@ -75,10 +75,14 @@ def make_dataset(tmp_path):
     return ["--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 
 
-@pytest.mark.parametrize("precision", [[], ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3"]])
-def test_resume_is_exact(tmp_path, precision):
+@pytest.mark.parametrize("precision,layout", [
+    ([], (2, 1, None, 1)),
+    (["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "3"], (2, 1, None, 1)),
+    (["--bf16"], (1, 2, 2, 3)),
+])
+def test_resume_is_exact(tmp_path, precision, layout):
     data = make_dataset(tmp_path)
-    common = TINY + data + precision + layout_flags(2, 1, None, 1, 1) + ["--train-iters", "8", "--save-interval", "100"]
+    common = TINY + data + precision + layout_flags(*layout) + ["--train-iters", "8", "--save-interval", "100"]
     full = train(4, common + ["--save", str(tmp_path / "full")])
     first = train(4, common + ["--save", str(tmp_path / "ck"), "--exit-interval", "3"])
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
