@@ -65,7 +65,6 @@ largest kernels. Leave ~10-20 % of the device for them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
