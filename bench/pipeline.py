@@ -49,11 +49,40 @@ class _Mark(torch.autograd.Function):
         return g, None, None, None
 
 
+class _SleepBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+class SleepBlock(nn.Module):
+    """A layer whose forward/backward take fixed wall time off the CPU (``time.sleep``), as an
+    accelerator's kernels would: isolates the schedule from core oversubscription."""
+
+    def __init__(self, fwd_s):
+        super().__init__()
+        self.fwd_s = fwd_s
+        self.scale = nn.Parameter(torch.full((), 0.5))
+
+    def forward(self, x):
+        time.sleep(self.fwd_s)
+        return _SleepBackward.apply(x * self.scale, 2 * self.fwd_s)
+
+
 class TimedChunk(nn.Module):
-    def __init__(self, layer_ids, hidden, seed=0):
+    def __init__(self, layer_ids, hidden, seed=0, sleep_s=0.0):
         super().__init__()
         self.blocks = nn.ModuleList()
         for n in layer_ids:
+            if sleep_s:
+                self.blocks.append(SleepBlock(sleep_s))
+                continue
             g = torch.Generator().manual_seed(seed * 1000 + n)
             fc1, fc2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
             with torch.no_grad():
@@ -79,9 +108,10 @@ class TimedChunk(nn.Module):
         return fwd + bwd
 
 
-def make_chunks(pp, vp, rank, hidden):
+def make_chunks(pp, vp, rank, hidden, sleep_s=0.0):
     per = LAYERS // (pp * vp)
-    return [TimedChunk(range((c * pp + rank) * per, (c * pp + rank + 1) * per), hidden) for c in range(vp)]
+    return [TimedChunk(range((c * pp + rank) * per, (c * pp + rank + 1) * per), hidden, sleep_s=sleep_s)
+            for c in range(vp)]
 
 
 def loss_fn(out, target):
@@ -93,7 +123,7 @@ def data(m, b, s, h, step):
     return torch.randn(m * b, s, h, generator=g), torch.randn(m * b, s, h, generator=g)
 
 
-def _timed_step(run, chunks, world_group_max=True):
+def _timed_step(run, chunks):
     for c in chunks:
         c.log.clear()
     dist.barrier()
@@ -105,9 +135,10 @@ def _timed_step(run, chunks, world_group_max=True):
     return t.item(), busy
 
 
-def _bench(rank, world, vp, impl, m, b, s, h, steps, warmup):
-    topo = Topology(world, rank, tp=1, pp=world, vp=vp).create_groups()
-    chunks = make_chunks(world, vp, rank, h)
+def _variant(topo, vp, impl, m, b, s, h, sleep_s):
+    """(chunks, run_step(i, trace=None)) of one schedule implementation."""
+    world, rank = topo.pp, topo.pp_rank
+    chunks = make_chunks(world, vp, rank, h, sleep_s)
     last = topo.is_last_stage
     if impl == "megazero":
         def step_fn(chunk, mb, x):
@@ -118,37 +149,54 @@ def _bench(rank, world, vp, impl, m, b, s, h, steps, warmup):
             x, y = data(m, b, s, h, i)
             mbs = [{"x": xi, "y": yi} for xi, yi in zip(x.chunk(m), y.chunk(m))]
             forward_backward(chunks, mbs, topo, step_fn, (b, s, h), torch.float32, trace=trace)
-    else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-        stages = [PipelineStage(c, ci * world + rank, world * vp, torch.device("cpu")) for ci, c in enumerate(chunks)]
-        sched = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if vp == 1
-                 else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
+        return chunks, run_step
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    stages = [PipelineStage(c, ci * world + rank, world * vp, torch.device("cpu"), group=topo.pp_group)
+              for ci, c in enumerate(chunks)]
+    sched = Schedule1F1B(stages[0], m, loss_fn=loss_fn) if vp == 1 else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
 
-        def run_step(i, trace=None):
-            x, y = data(m, b, s, h, i)
-            if topo.is_first_stage:
-                sched.step(x)
-            elif last:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
-    times, bubbles = [], []
+    def run_step(i, trace=None):
+        x, y = data(m, b, s, h, i)
+        if topo.is_first_stage:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+    return chunks, run_step
+
+
+VARIANTS = [(1, "megazero"), (1, "torch"), (2, "megazero"), (2, "torch")]
+
+
+def _bench(rank, world, m, b, s, h, steps, warmup, sleep_s):
+    """All four variants in one process group, round-robin step by step so that drifting load
+    on a shared machine hits them alike."""
+    topos = {vp: Topology(world, rank, tp=1, pp=world, vp=vp).create_groups() for vp in (1, 2)}
+    variants = {key: _variant(topos[key[0]], key[0], key[1], m, b, s, h, sleep_s) for key in VARIANTS}
+    times = {key: [] for key in VARIANTS}
+    bubbles = {key: [] for key in VARIANTS}
     for i in range(warmup + steps):
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        t, busy = _timed_step(lambda: run_step(i), chunks)
-        if i >= warmup:
-            times.append(t)
-            bubbles.append((t - busy) / busy)
-    bub = torch.tensor([statistics.median(bubbles)])
-    dist.all_reduce(bub)
-    rep = None
-    if impl == "megazero":  # one traced step: the trace's own bubble report
-        trace = ScheduleTrace()
-        run_step(warmup + steps, trace)
-        traces = gather_traces(trace)
-        rep = bubble_report(traces) if traces is not None else None
-    return statistics.median(times), bub.item() / world, rep
+        for key in VARIANTS:
+            chunks, run_step = variants[key]
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            t, busy = _timed_step(lambda: run_step(i), chunks)
+            if i >= warmup:
+                times[key].append(t)
+                bubbles[key].append((t - busy) / busy)
+    out = {}
+    for key in VARIANTS:
+        bub = torch.tensor([statistics.median(bubbles[key])])
+        dist.all_reduce(bub)
+        rep = None
+        if key[1] == "megazero":  # one traced step: the trace's own bubble report
+            trace = ScheduleTrace()
+            variants[key][1](warmup + steps, trace)
+            traces = gather_traces(trace)
+            rep = bubble_report(traces) if traces is not None else None
+        out[key] = (statistics.median(times[key]), bub.item() / world, rep)
+    return out
 
 
 def main(argv=None):
@@ -157,33 +205,44 @@ def main(argv=None):
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sleep-ms", type=float, default=20.0, help="forward time of a sleeping layer")
+    p.add_argument("--modes", default="matmul,sleep", help="matmul (real compute), sleep (compute off the CPU)")
     a = p.parse_args(argv)
+    a.modes = a.modes.split(",")
     torch.set_num_threads(1)
     pp, m = a.ranks, a.micro_batches
     print(f"PP={pp} ranks (gloo, CPU, 1 thread each), M={m}, micro-batch [{a.micro_batch_size}, {a.seq_length}, "
           f"{a.hidden}], {LAYERS} layers; median of {a.steps} steps after {a.warmup}")
+    for mode, sleep_s in (("matmul", 0.0), ("sleep", a.sleep_ms / 1e3)):
+        if mode not in a.modes:
+            continue
+        what = ("real matmul compute" if mode == "matmul" else
+                f"sleep compute ({a.sleep_ms} ms fwd / {2 * a.sleep_ms} ms bwd per layer, off the CPU)")
+        print(f"-- {what}")
+        res = run_distributed(_bench, pp, m, a.micro_batch_size, a.seq_length, a.hidden, a.steps, a.warmup, sleep_s,
+                              timeout_s=1200, collective_timeout_s=300)[0]
+        report(res, pp, m)
+
+
+def report(res, pp, m):
     rows = {}
-    for vp in (1, 2):
-        for impl in ("megazero", "torch"):
-            res = run_distributed(_bench, pp, vp, impl, m, a.micro_batch_size, a.seq_length, a.hidden, a.steps,
-                                  a.warmup, timeout_s=600)
-            t, bubble, rep = res[0]
-            rows[(vp, impl)] = (t, bubble)
-            theory = (pp - 1) / (vp * m)
-            name = {(1, "megazero"): "megazero 1F1B", (2, "megazero"): "megazero interleaved VP=2",
-                    (1, "torch"): "torch Schedule1F1B", (2, "torch"): "torch ScheduleInterleaved1F1B"}[(vp, impl)]
-            extra = f", trace bubble {rep['bubble_measured']:.3f}" if rep else ""
-            print(f"{name:32s} step {t * 1e3:8.1f} ms  bubble {bubble:.3f} (theory {theory:.3f}{extra})", flush=True)
+    names = {(1, "megazero"): "megazero 1F1B", (2, "megazero"): "megazero interleaved VP=2",
+             (1, "torch"): "torch Schedule1F1B", (2, "torch"): "torch ScheduleInterleaved1F1B"}
+    for vp, impl in VARIANTS:
+        t, bubble, rep = res[(vp, impl)]
+        rows[(vp, impl)] = (t, bubble)
+        theory = (pp - 1) / (vp * m)
+        extra = f", trace bubble {rep['bubble_measured']:.3f}" if rep else ""
+        print(f"{names[(vp, impl)]:32s} step {t * 1e3:8.1f} ms  bubble {bubble:.3f} (theory {theory:.3f}{extra})")
     for vp in (1, 2):
         print(f"step-time ratio megazero/torch VP={vp}: {rows[(vp, 'megazero')][0] / rows[(vp, 'torch')][0]:.3f} "
               f"(target <= 1.0)")
     for impl in ("megazero", "torch"):
         print(f"bubble cut by interleaving ({impl}): {rows[(1, impl)][1] / rows[(2, impl)][1]:.2f}x (theory 2.00x, "
-              f"target >= 1.6x)")
-
+              f"target >= 1.6x)", flush=True)
 
 if __name__ == "__main__":
     main()
