@@ -17,7 +17,8 @@ Prints JSON lines:
   ZeRO 3 vs FSDP2 ``fully_shard`` per layer; targets 1.05, 1.0 and stage3/stage2 1.25.
 
 Model: ``--layers`` residual MLP blocks of width ``--hidden`` (4x inner), fp32, M micro-batches of
-64 rows each, same weights and batches for every system.  All systems run in one launch.
+64 rows each, same weights and batches for every system.  All systems run in one launch, their
+steps interleaved round-robin (each system's own model), so a shared box's load is spread evenly.
 """
 
 from __future__ import annotations
@@ -59,17 +60,25 @@ class Model(nn.Module):
         return self.head(x).float().square().mean()
 
 
-def _median_time(step, steps, warmup):
-    times = []
+def _time_once(step):
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _round_robin(systems: dict, steps: int, warmup: int) -> dict:
+    """Median step time of each system, steps interleaved (A B C A B C ...) so that load from
+    other processes on a shared box hits every system alike."""
+    times = {name: [] for name in systems}
     for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(t.item())
-    return statistics.median(times)
+        for name, step in systems.items():
+            t = _time_once(step)
+            if i >= warmup:
+                times[name].append(t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _zero(topo, a, stage, x):
@@ -84,11 +93,13 @@ def _zero(topo, a, stage, x):
             model(x[k]).backward(opt.loss_scale / a.micro_batches)
         opt.finish_grad_sync()
         opt.step()
-    t = _median_time(step, a.steps, a.warmup)
+    return step, opt
+
+
+def _volume(opt, stage, a):
     comm = opt.last_comm
     prims = {k: v["primitive"] for k, v in comm["by_group"].items()}
-    opt.close()
-    return t, {"kind": "volume", "stage": stage, "phi": comm["phi"], "micro_batches": a.micro_batches,
+    return {"kind": "volume", "stage": stage, "phi": comm["phi"], "micro_batches": a.micro_batches,
                "dp_logical_multiple": comm["dp_logical_multiple"],
                "dp_primitive_multiple": comm["dp_primitive_multiple"], "primitives": prims}
 
@@ -107,7 +118,7 @@ def _ddp(a, x):
                 (model(x[k]) / a.micro_batches).backward()
         opt.step()
         opt.zero_grad()
-    return _median_time(step, a.steps, a.warmup)
+    return step
 
 
 def _fsdp2(a, x, world):
@@ -125,7 +136,7 @@ def _fsdp2(a, x, world):
             (model(x[k]) / a.micro_batches).backward()
         opt.step()
         opt.zero_grad()
-    return _median_time(step, a.steps, a.warmup)
+    return step
 
 
 def _state(topo, a, stage):
@@ -144,16 +155,18 @@ def _bench(rank, world, a):
     topo = Topology(world, rank).create_groups()
     g = torch.Generator().manual_seed(rank)
     x = [torch.randn(64, a.hidden, generator=g) for _ in range(a.micro_batches)]
-    lines, times = [], {}
+    lines, systems, opts = [], {}, {}
     for stage in a.stage:
         lines.append(_state(topo, a, stage))
     for stage in a.stage:
-        times[f"zero-{stage}"], vol = _zero(topo, a, stage, x)
-        lines.append(vol)
+        systems[f"zero-{stage}"], opts[stage] = _zero(topo, a, stage, x)
     if any(s < 3 for s in a.stage):
-        times["ddp"] = _ddp(a, x)
+        systems["ddp"] = _ddp(a, x)
     if 3 in a.stage:
-        times["fsdp2"] = _fsdp2(a, x, world)
+        systems["fsdp2"] = _fsdp2(a, x, world)
+    times = _round_robin(systems, a.steps, a.warmup)
+    for stage, opt in opts.items():
+        lines.append(_volume(opt, stage, a))
     for name, t in times.items():
         lines.append({"kind": "time", "system": name, "median_s": round(t, 5), "ranks": world,
                       "micro_batches": a.micro_batches, "hidden": a.hidden, "layers": a.layers})
