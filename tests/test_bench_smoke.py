@@ -1,0 +1,90 @@
+"""Smoke tests of the benchmark scripts: bench/gpu_mfu.py --tiny on CPU, and run_all's table parsers."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("extra", [[], ["--arch", "gpt2", "--zero-stage", "0", "--recompute", "selective",
+                                        "--peak-tflops", "1"]])
+def test_gpu_mfu_tiny_runs_on_cpu(extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run([sys.executable, "bench/gpu_mfu.py", "--tiny", "--steps", "2", "--warmup", "1",
+                        "--threads", "1", *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["device"] == "cpu" and out["tiny"] and out["steps"] == 2
+    assert out["tokens_per_step"] == 2 * 2 * 64 and out["tokens_per_s"] > 0
+    assert out["median_step_s"] > 0 and out["model_tflop_per_step"] > 0
+    assert all(math.isfinite(x) for x in out["loss_first_last"]) and out["skipped"] == 0
+    assert "--bf16" in out["megatron_flags"]
+    if "--peak-tflops" in extra:
+        assert out["mfu"] is not None and 0 < out["mfu"] < 1
+        assert out["zero_stage"] == 0 and out["recompute"] == "selective"
+    else:
+        assert out["mfu"] is None  # no peak for a CPU
+
+
+def test_peak_table_picks_the_specific_name():
+    mfu = _load("gpu_mfu")
+    assert mfu.peak_tflops("NVIDIA H200") == 989.0
+    assert mfu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert mfu.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert mfu.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert mfu.peak_tflops("NVIDIA A10G") == 70.0
+    assert mfu.peak_tflops("NVIDIA L4") == 121.0
+    assert mfu.peak_tflops("Tesla V100-SXM2-16GB") is None
+
+
+def test_flops_formula_matches_6n_plus_attention_for_the_default_model():
+    """The default model's FLOPs per token ~ 6 N (+ attention), so MFU is on the usual scale."""
+    from megazero.arguments import parse_args
+    from megazero.logger import model_flops_per_iteration
+    mfu = _load("gpu_mfu")
+
+    class A:
+        arch, tiny, micro_batch_size, num_micro_batches, warmup, steps = "llama", False, 1, 1, 0, 1
+        zero_stage, dtype, recompute = 1, "bf16", None
+    args = parse_args(mfu.megatron_argv(A), world_size=1)
+    per_token = model_flops_per_iteration(args) / args.seq_length
+    h, s, L, f = 2048, 2048, 24, args.ffn_hidden_size
+    n = L * (4 * h * h + 3 * h * f) + 2 * args.padded_vocab_size * h  # untied: input + output matrices
+    attention = 6 * 2 * L * s * h  # QK^T and AV, fwd + bwd, causal counted in full
+    expected = 6 * (n - args.padded_vocab_size * h) + attention  # the input embedding is a lookup
+    assert per_token == pytest.approx(expected, rel=1e-6)
+    assert 1.25e9 < n < 1.45e9
+
+
+def test_run_all_tables_parse_bench_output():
+    run_all = _load("run_all")
+    tp = run_all.table_tensor_parallel(["header", " TP  megazero ms  DTensor ms  ratio  max |diff|",
+                                        "  2        104.5       140.4   0.74    0.00e+00"])
+    assert tp[-1] == "| 2 | 104.5 | 140.4 | 0.74 | 0.00e+00 |"
+    pp = run_all.table_pipeline(["-- real matmul compute",
+                                 "megazero 1F1B                    step   1424.0 ms  bubble 0.820 (theory 0.375)",
+                                 "step-time ratio megazero/torch VP=1: 0.850 (target <= 1.0)",
+                                 "bubble cut by interleaving (torch): 1.30x (theory 2.00x, target >= 1.6x)"])
+    assert "| matmul | megazero 1F1B | 1424.0 | 0.820 | 0.375 |" in pp
+    assert any("ratio megazero/torch VP=1 | 0.850" in row for row in pp)
+    zero = run_all.table_zero([json.dumps(x) for x in [
+        {"kind": "volume", "stage": 1, "phi": 100, "dp_logical_multiple": 2.0, "dp_primitive_multiple": 3.0},
+        {"kind": "state", "stage": 1, "bytes": 2_990_000, "formula": 2_990_000, "ratio": 1.0},
+        {"kind": "time", "system": "zero-1", "median_s": 0.2}, {"kind": "time", "system": "ddp", "median_s": 0.3},
+        {"kind": "ratio", "what": "zero-1/ddp", "ratio": 0.667, "target": 1.05, "met": True}]])
+    assert "| zero-1/ddp | 0.667 | 1.05 | True |" in zero
+    assert "| 1 | 100 | 2.0 | 3.0 | 2.99 MB | 2.99 MB | 1.0 |" in zero
