@@ -129,12 +129,17 @@ class GPTModel(nn.Module):
         return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, inference_cache=None) -> torch.Tensor:
+        """See docs/INTERFACES.md. ``inference_cache`` (a prepared
+        :class:`~megazero.model.inference.InferenceCache`): ``x`` holds only the new tokens, the
+        layers attend over the cached keys/values too (position ids default to the cache's)."""
         if self.pre_process:
             b, s = x.shape
         else:
             s, b = x.shape[0] * (self.tp if self.sequence_parallel else 1), x.shape[1]
         needs_positions = self.config.position_embedding_type == "rope" or self.pre_process
+        if position_ids is None and inference_cache is not None:
+            position_ids = inference_cache.position_ids
         if position_ids is None and needs_positions:
             device = x.device
             position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
@@ -143,7 +148,15 @@ class GPTModel(nn.Module):
         if self.config.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.config.kv_channels, self.config.rotary_base,
                                 self.config.params_dtype)
-        for layers, recompute in self._layer_groups():
+        if inference_cache is not None:
+            if self.sequence_parallel or (self.training and self.config.hidden_dropout > 0):
+                raise ValueError("incremental decoding needs eval mode and no sequence parallelism")
+            for layer in self.layers.values():
+                hidden = layer(hidden, rope, inference_cache)
+            layer_groups = []
+        else:
+            layer_groups = self._layer_groups()
+        for layers, recompute in layer_groups:
             def run(h, *cos_sin, layers=layers):
                 for layer in layers:
                     h = layer(h, cos_sin if cos_sin else None)

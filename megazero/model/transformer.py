@@ -83,6 +83,7 @@ class Attention(nn.Module):
         p = group_size(tp_group)
         self.config, self.tracker, self.d = config, tracker, config.kv_channels
         self.heads, self.groups = config.num_attention_heads // p, config.num_query_groups // p
+        self.layer_number = layer_number
         q, kv = config.num_attention_heads * self.d, config.num_query_groups * self.d
         key = f"layers.{layer_number}.attention"
         std, seed, sp = config.init_method_std, config.seed, config.sequence_parallel
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         probs = dropout(probs, p_drop, True, self.tracker, TENSOR_PARALLEL)
         return torch.matmul(probs, v)
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, inference_cache=None):
         qkv = self.qkv(x)  # [s, b, (H + 2G) d / p]
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([self.heads * self.d, self.groups * self.d, self.groups * self.d], dim=-1)
@@ -120,7 +121,10 @@ class Attention(nn.Module):
         v = v.reshape(s, b, self.groups, self.d).permute(1, 2, 0, 3)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.config.recompute_granularity == "selective" and self.training:
+        if inference_cache is not None:  # incremental decoding (megazero.model.inference)
+            k, v = inference_cache.update(self.layer_number, k, v)
+            ctx = inference_cache.attend(q, k, v)
+        elif self.config.recompute_granularity == "selective" and self.training:
             ctx = checkpoint(self.core_attention, self.tracker, q, k, v)
         else:
             ctx = self.core_attention(q, k, v)
@@ -175,8 +179,8 @@ class TransformerLayer(nn.Module):
             out = out + bias
         return residual + dropout(out, self.config.hidden_dropout, self.training, self.tracker, self.dropout_rng)
 
-    def forward(self, x, rope=None):
-        out, bias = self.attention(self.input_norm(x), rope)
+    def forward(self, x, rope=None, inference_cache=None):
+        out, bias = self.attention(self.input_norm(x), rope, inference_cache)
         x = self._bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.post_attention_norm(x))
         return self._bias_dropout_add(out, bias, x)
