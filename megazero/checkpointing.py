@@ -134,11 +134,13 @@ def check_layout(saved: dict, current: dict, path: str) -> None:
                               + " (loading into another layout is not supported yet)")
 
 
-def load_rank_state(root: str, iteration: int, rank: int) -> dict:
+def load_rank_state(root: str, iteration: int, rank: int, mmap: bool = False) -> dict:
+    """Rank ``rank``'s file via ``torch.load(weights_only=True)``; ``mmap``: tensors are mapped,
+    and only the bytes of those touched are read."""
     path = rank_file(iteration_dir(root, iteration), rank)
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, disallowed global
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None

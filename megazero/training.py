@@ -98,6 +98,9 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
+        """Every rank writes its own file; rank 0 adds the gathered per-rank index (names, TP split
+        rules, ZeRO regions) to ``metadata.json`` so any layout can load it (docs/checkpoints.md)."""
+        from megazero.reshard import rank_index
         args = self.args
         with self.optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
             model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in self.chunks]
@@ -105,36 +108,63 @@ class Trainer:
                  "scheduler": self.scheduler.state_dict(), "counters": {"skipped": self.skipped, "nans": self.nans}}
         if not args.no_save_optim:
             state["optimizer"] = self.optimizer.state_dict()
+        index = rank_index(self.topo, self.chunks, self.optimizer)
+        indices = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(index, indices, dst=0)
         metadata = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                    "layout": ckpt.layout_of(args), "args": ckpt.jsonable_args(args)}
+                    "layout": ckpt.layout_of(args), "args": ckpt.jsonable_args(args),
+                    "index": {"version": 1, "ranks": indices}}
         t0 = time.time()
         path = ckpt.save_checkpoint(args.save, self.iteration, self.rank, state, metadata)
         _print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
 
     def load(self) -> None:
+        """Fast path (same layout and same regions): this rank's file as saved, RNG included.
+        Otherwise reshard (megazero.reshard): each parameter's full tensor from the files that
+        hold it, sliced for this rank's TP/PP/ZeRO shard; the RNG states are not restored."""
+        from megazero.checkpoint_reader import CheckpointReader
+        from megazero.reshard import check_model_shape, load_resharded, rank_index, same_layout
         args = self.args
         iteration = ckpt.latest_iteration(args.load)
         if iteration is None:
             _print_rank(self.rank, 0, f"no {ckpt.LATEST} in {args.load}: starting from scratch")
             return
         meta = ckpt.read_metadata(args.load, iteration)
-        ckpt.check_layout(meta["layout"], ckpt.layout_of(args), ckpt.iteration_dir(args.load, iteration))
-        state = ckpt.load_rank_state(args.load, iteration, self.rank)
-        if len(state["model"]) != len(self.chunks):
-            raise ckpt.CheckpointError(f"{ckpt.rank_file(ckpt.iteration_dir(args.load, iteration), self.rank)} holds "
-                                       f"{len(state['model'])} model chunks, this run has {len(self.chunks)}")
-        with self.optimizer.gathered_params():
-            for chunk, sd in zip(self.chunks, state["model"]):
-                chunk.load_state_dict(sd)
-            self.optimizer.reload_model_params()
-        if not args.no_load_optim and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        directory = ckpt.iteration_dir(args.load, iteration)
+        if "index" not in meta:  # saved before resharding existed: same layout only
+            ckpt.check_layout(meta["layout"], ckpt.layout_of(args), directory)
+            fast = True
+        else:
+            reader = CheckpointReader(args.load, iteration)
+            check_model_shape(reader, args)
+            fast = same_layout(reader, ckpt.layout_of(args), rank_index(self.topo, self.chunks, self.optimizer))
+            flags = torch.tensor([int(fast)], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank takes the same path
+            fast = bool(flags.item())
+        t0 = time.time()
+        if fast:
+            state = ckpt.load_rank_state(args.load, iteration, self.rank)
+            if len(state["model"]) != len(self.chunks):
+                raise ckpt.CheckpointError(f"{ckpt.rank_file(directory, self.rank)} holds {len(state['model'])} "
+                                           f"model chunks, this run has {len(self.chunks)}")
+            with self.optimizer.gathered_params():
+                for chunk, sd in zip(self.chunks, state["model"]):
+                    chunk.load_state_dict(sd)
+                self.optimizer.reload_model_params()
+            if not args.no_load_optim and "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            load_resharded(reader, self.chunks, self.optimizer, load_optim=not args.no_load_optim)
+            state = reader.rank_state(0)  # scheduler and counters: the same on every rank
+            _print_rank(self.rank, 0, f"resharded {directory} (saved as {meta['layout']}) into "
+                                      f"{ckpt.layout_of(args)} in {time.time() - t0:.2f} s; note: RNG states "
+                                      "are not restored across layouts, this run's --seed streams are used")
         if args.finetune:
             _print_rank(self.rank, 0, f"loaded weights from {args.load} iteration {iteration} (finetune: iteration 0)")
             return
         self.scheduler.load_state_dict(state["scheduler"])
-        if not args.no_load_rng:
+        if fast and not args.no_load_rng:
             restore_rng(state["rng"], self.chunks)
         self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
         self.skipped, self.nans = state["counters"]["skipped"], state["counters"]["nans"]

@@ -349,14 +349,45 @@ class ZeroOptimizer:
                 "shards": [{"master": r.master.clone(), "exp_avg": r.exp_avg.clone(),
                             "exp_avg_sq": r.exp_avg_sq.clone()} for r in self.regions]}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_counters(self, sd: dict) -> None:
+        """Step count, loss scaler and skip counters of a :meth:`state_dict` (layout-free)."""
         self.iteration = sd["iteration"]
         self.scaler.load_state_dict(sd["scaler"])
         self.skipped_iterations, self.nan_iterations = sd["skipped_iterations"], sd["nan_iterations"]
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load_counters(sd)
         for r, s in zip(self.regions, sd["shards"]):
             r.master.copy_(s["master"])
             r.exp_avg.copy_(s["exp_avg"])
             r.exp_avg_sq.copy_(s["exp_avg_sq"])
+        for pending in [r.write_back(async_op=True) for r in self.regions]:
+            pending.wait()
+
+    def layout(self, name_of: dict) -> list[dict]:
+        """Self-description of the flat regions, for checkpoints: per region the ordered
+        ``[name, offset, numel]`` of its parameters (``name_of``: id(param) -> name), its
+        ``padded`` length and this rank's shard ``[shard_lo, shard_lo + shard_len)``."""
+        return [{"params": [[name_of[id(p)], o, p.numel()] for p, o in zip(r.params, r.offsets)],
+                 "padded": r.padded, "shard_lo": r.shard_lo, "shard_len": r.shard_len} for r in self.regions]
+
+    @torch.no_grad()
+    def load_param_states(self, states_of) -> None:
+        """Set master weights and both Adam moments per parameter, then write the parameters back.
+
+        ``states_of(param)`` returns ``{"master", "exp_avg", "exp_avg_sq"}``: fp32 tensors of the
+        parameter's (TP-local) shape; only the part inside this rank's shard is copied:
+        ``shard[a - lo : b - lo] = state.flat[a - o : b - o]`` with ``[a, b)`` the overlap of
+        ``[o, o + numel)`` and ``[lo, lo + len)``.  Collective (the write-back all-gathers)."""
+        for r in self.regions:
+            lo, hi = r.shard_lo, r.shard_lo + r.shard_len
+            for p, o in zip(r.params, r.offsets):
+                a, b = max(o, lo), min(o + p.numel(), hi)
+                if a >= b:
+                    continue
+                states = states_of(p)
+                for kind, buf in (("master", r.master), ("exp_avg", r.exp_avg), ("exp_avg_sq", r.exp_avg_sq)):
+                    buf[a - lo:b - lo].copy_(states[kind].reshape(-1)[a - o:b - o])
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
 

@@ -1,0 +1,116 @@
+"""Load a checkpoint saved in any (TP, PP, VP, DP, ZeRO stage, dtype) layout into this run's.
+
+Saving: every rank describes its file with :func:`rank_index` (its chunks' parameters with name,
+TP split rule and local shape; its ZeRO regions with their ordered ``(name, offset, numel)`` and
+this rank's shard); rank 0 gathers these small descriptions into ``metadata.json["index"]``.
+Nothing else is gathered: each rank still writes only what it owns.
+
+Loading (:func:`load_resharded`), for every parameter this rank holds in the new layout:
+
+* weights: ``local = module.full_to_local(full)`` with ``full`` from
+  :meth:`CheckpointReader.full_param` (padding rows of the new vocabulary split are zero);
+* optimizer (unless ``--no-load-optim``): the full fp32 master, ``exp_avg`` and ``exp_avg_sq``
+  are sliced the same way, and the part of that slice inside this rank's new ZeRO shard is
+  copied in (:meth:`ZeroOptimizer.load_param_states`); the parameters are then written back from
+  the fp32 masters, exactly as after an optimizer step (so fp32 -> bf16 rounds the master once);
+* the optimizer step count and loss scaler come from rank 0's file (they are equal on all ranks).
+
+Each rank opens only the old files holding the parameters it needs (memory-mapped: only the
+touched tensors are read) and keeps one full parameter in memory at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero import checkpointing as ckpt
+from megazero.checkpoint_reader import CheckpointReader
+
+OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def named_parameters(chunks):
+    """``(chunk index, name, owning module, local name, param)`` of every parameter, once."""
+    seen = set()
+    for c, chunk in enumerate(chunks):
+        for mod_name, module in chunk.named_modules():
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield c, (f"{mod_name}.{p_name}" if mod_name else p_name), module, p_name, p
+
+
+def _split_of(module, p_name):
+    parts = getattr(module, "partitions", None)
+    spec = parts.get(p_name) if isinstance(parts, dict) else None
+    if spec is None:
+        return None
+    dim, sizes, real_rows = spec
+    return [int(dim), [int(s) for s in sizes] if sizes else None, None if real_rows is None else int(real_rows)]
+
+
+def rank_index(topo, chunks, optimizer) -> dict:
+    """This rank's entry of ``metadata.json["index"]`` (see :mod:`megazero.checkpoint_reader`)."""
+    params, name_of = [], {}
+    for c, name, module, p_name, p in named_parameters(chunks):
+        params.append([c, name, list(p.shape), _split_of(module, p_name)])
+        name_of[id(p)] = name
+    import torch.distributed as dist
+    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "tp_rank": topo.tp_rank,
+            "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "params": params,
+            "regions": optimizer.layout(name_of)}
+
+
+def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
+    """True when the fast path applies: same layout and this rank's file has the same contents."""
+    saved = reader.layout
+    if any(saved.get(k) != layout.get(k) for k in ckpt.LAYOUT_KEYS):
+        return False
+    return reader.rank_index(index["rank"]) == index
+
+
+def check_model_shape(reader: CheckpointReader, args) -> None:
+    """Refuse a checkpoint of another model (the parallel layout may differ, the shape may not)."""
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+            "vocab_size", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
+            "untie_embeddings_and_output_weights")
+    saved = reader.args
+    diffs = [f"{k} saved {saved.get(k)} vs now {getattr(args, k, None)}" for k in keys
+             if k in saved and saved.get(k) != getattr(args, k, None)]
+    if diffs:
+        raise ckpt.CheckpointError(f"{reader.directory} holds another model: " + "; ".join(diffs))
+
+
+@torch.no_grad()
+def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool = True) -> bool:
+    """Load weights (and, if ``load_optim`` and saved, optimizer state) into this rank's layout.
+
+    Returns whether the optimizer state was loaded.  Collective (ZeRO write-back / stage-3 gathers).
+    """
+    info = {id(p): (name, module, p_name) for _, name, module, p_name, p in named_parameters(chunks)}
+    for name, _, _ in info.values():
+        try:
+            reader._resolve(name)
+        except KeyError as e:
+            raise ckpt.CheckpointError(str(e.args[0])) from None
+
+    def local(p, kind):
+        name, module, p_name = info[id(p)]
+        full = reader.full_param(name, kind)
+        return module.full_to_local(p_name, full) if hasattr(module, "full_to_local") else full
+
+    with_optim = load_optim and reader.has_optimizer
+    if not with_optim:
+        with optimizer.gathered_params():
+            for _, _, _, _, p in named_parameters(chunks):
+                p.copy_(local(p, "weight").to(p.dtype))
+            optimizer.reload_model_params()
+        return False
+    optimizer.load_param_states(lambda p: {k: local(p, k) for k in OPT_KINDS})
+    counters = reader.optimizer_counters()
+    saved_scaler, scaler = counters["scaler"], optimizer.scaler.state_dict()
+    if set(saved_scaler) != set(scaler):  # e.g. fp32 (constant 1.0) -> fp16 (dynamic): start afresh
+        counters = dict(counters, scaler=scaler)
+    optimizer.load_counters(counters)
+    return True
