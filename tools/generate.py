@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Generate text from a megazero checkpoint with tensor parallelism and a KV cache.
+
+    torchrun --nproc-per-node 2 tools/generate.py --load runs/demo/checkpoints \\
+        --tensor-model-parallel-size 2 --prompt "In the beginning" --max-new-tokens 40
+    python tools/generate.py --load DIR --prompt-file prompts.txt --top-k 40 --temperature 0.8
+
+The checkpoint may come from any training layout (TP, PP, VP, DP, ZeRO stage, dtype): its full,
+unpadded weights are read (:class:`megazero.checkpoint_reader.CheckpointReader`) and sliced for
+this run's TP size (the vocabulary re-padded for it). The model is one pipeline stage without
+sequence parallelism or dropout; the tokenizer comes from the saved arguments (``--tokenizer-model``,
+``--vocab-file``, ``--merge-file`` override paths). Prompts (``--prompt``, repeatable, and/or
+``--prompt-file``, one per line) run in batches of ``--batch-size`` rows, left-padded.
+
+Decoding (:mod:`megazero.model.generation`): greedy by default; ``--temperature``, ``--top-k``,
+``--top-p`` switch to sampling from a generator seeded by ``--seed`` on the all-gathered logits,
+identical on all TP ranks. Rows stop at the tokenizer's eod; a batch stops when every row has,
+or after ``--max-new-tokens``. Rank 0 prints each completion and the tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megazero.model import GPTModel  # noqa: E402
+from megazero.model.generation import generate  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint folder (holds latest_checkpointed_iteration.txt)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the latest)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompt-file", default=None, help="a text file, one prompt per line")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default without sampling flags)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16", "saved"], default="fp32",
+                   help="weights' dtype for generation (default fp32: fastest on CPU)")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    args = p.parse_args(argv)
+    sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
+    if args.greedy and sampling:
+        p.error("--greedy excludes --temperature / --top-k / --top-p")
+    args.greedy = args.greedy or not sampling
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.top_k = args.top_k or 0
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            args.prompt += [line.rstrip("\n") for line in f if line.strip()]
+    if not args.prompt:
+        p.error("give --prompt and/or --prompt-file")
+    return args
+
+
+def build_topology(tp: int, backend: str | None):
+    """(topology or None, device): joins torchrun's process group (or the caller's) when world > 1."""
+    from megazero.distributed import init_distributed
+    from megazero.topology import Topology
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if tp != 1:
+            raise SystemExit(f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}")
+        return None, torch.device("cpu")
+    launch, device = init_distributed(backend)
+    if launch.world_size != tp:
+        raise SystemExit(f"generation runs on exactly TP ranks: world size {launch.world_size} != TP {tp}")
+    return Topology(launch.world_size, launch.rank, tp=tp).create_groups(), device
+
+
+def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = "fp32"):
+    """(model, reader): a single-stage GPTModel at ``topo``'s TP size with the checkpoint's weights.
+
+    ``reader.args`` are the saving run's arguments, ``reader.layout`` its parallel layout."""
+    from megazero.checkpoint_reader import CheckpointReader
+    reader = CheckpointReader(load_dir, iteration)
+    dtype = None if params_dtype == "saved" else DTYPES[params_dtype]
+    overrides = dict(sequence_parallel=False, recompute_granularity=None, attention_dropout=0.0, hidden_dropout=0.0)
+    if dtype is not None:
+        overrides["params_dtype"] = dtype
+    config = reader.gpt_config(**overrides)
+    model = GPTModel(config, topo, device=device).eval()
+    state = reader.full_model_state_dict(dtype=config.params_dtype)
+    reader.close()
+    model.load_full_state_dict(state)
+    return model, reader
+
+
+def build_tokenizer_from(saved: dict, args):
+    from types import SimpleNamespace
+
+    from megazero.data import build_tokenizer
+    t = dict(saved)
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(args, key) is not None:
+            t[key] = getattr(args, key)
+    return build_tokenizer(SimpleNamespace(**t))
+
+
+def main(argv=None) -> list[str]:
+    """Run generation; returns the completions (every rank) and prints them on rank 0."""
+    args = parse_args(argv)
+    topo, device = build_topology(args.tensor_model_parallel_size, args.distributed_backend)
+    rank0 = topo is None or topo.rank == 0
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    t0 = time.perf_counter()
+    model, reader = load_model(args.load, topo, device, args.iteration, args.params_dtype)
+    tok = build_tokenizer_from(reader.args, args)
+    eod = getattr(tok, "eod", None)
+    if rank0:
+        c, lay = model.config, reader.layout
+        print(f"> loaded {args.load} iteration {reader.iteration} (trained with TP "
+              f"{lay.get('tensor_model_parallel_size')} PP {lay.get('pipeline_model_parallel_size')} "
+              f"VP {lay.get('virtual_pipeline_model_parallel_size')} DP {lay.get('data_parallel_size')} "
+              f"ZeRO {lay.get('zero_stage')}, {lay.get('params_dtype')}) into TP {args.tensor_model_parallel_size}, "
+              f"{c.params_dtype}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
+    completions, new_tokens, seconds = [], 0, 0.0
+    for start in range(0, len(args.prompt), args.batch_size):
+        texts = args.prompt[start:start + args.batch_size]
+        ids = [tok.tokenize(t) or [eod] for t in texts]
+        res = generate(model, ids, args.max_new_tokens, eod=eod, greedy=args.greedy, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed + start, use_cache=not args.no_kv_cache)
+        new_tokens += res.new_tokens
+        seconds += res.prefill_s + res.decode_s
+        for text, prompt_ids, row in zip(texts, ids, res.tokens):
+            body = row[:-1] if row and row[-1] == eod else row
+            full, head = tok.detokenize(prompt_ids + body), tok.detokenize(prompt_ids)
+            completions.append(full[len(head):] if full.startswith(head) else tok.detokenize(body))
+            if rank0:
+                end = " <eod>" if row and row[-1] == eod else ""
+                print(f"\n>>> {text}\n{full}{end}", flush=True)
+    if rank0:
+        mode = "greedy" if args.greedy else f"sampling (T={args.temperature}, top-k {args.top_k}, top-p {args.top_p})"
+        print(f"\n> generated {new_tokens} tokens for {len(args.prompt)} prompt(s) in {seconds:.2f} s: "
+              f"{new_tokens / max(seconds, 1e-9):.1f} tokens/s ({mode}, TP {args.tensor_model_parallel_size}, "
+              f"{'no ' if args.no_kv_cache else ''}KV cache, batch <= {args.batch_size})", flush=True)
+    return completions
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
