@@ -129,3 +129,27 @@ def test_torchrun_end_to_end(tmp_path):
     lines = [l for l in out.stdout.splitlines() if l.startswith(" iteration ")]
     assert len(lines) == 3 and "| lm loss: " in lines[-1] and "number of nan iterations:   0 |" in lines[-1]
     assert (tmp_path / "ck" / "iter_0000003" / "metadata.json").exists()
+
+
+def _one_rank_dies(rank, world_size, argv):
+    import time
+    from megazero.training import setup
+    from megazero.train_state import ExitSignal
+    trainer = setup(parse_args(argv, world_size=world_size))
+    if rank == 1:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.time()
+    try:
+        trainer.train(ExitSignal())
+    except Exception as e:  # the survivors must fail, not hang until the collective timeout
+        return time.time() - start, f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_killed_rank_makes_the_others_fail_fast():
+    from megazero.testing import RankFailure
+    argv = TINY + MOCK + ["--train-iters", "100000", "--log-interval", "100000", "--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "10"]
+    with pytest.raises(RankFailure, match=r"first: rank 1\).*\n.*\n.*exit code -9") as exc:
+        run_distributed(_one_rank_dies, 4, argv, timeout_s=120, grace_s=60)
+    assert "still running" not in str(exc.value)  # every survivor returned (with its error) within the grace
