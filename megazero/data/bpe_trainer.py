@@ -17,21 +17,9 @@ import json
 from collections import Counter, defaultdict
 from typing import Iterable
 
-from megazero.data.tokenizers import GPT2_EOD, GPT2_PATTERN, bytes_to_unicode
+from megazero.data.tokenizers import GPT2_EOD, GPT2_PATTERN, bytes_to_unicode, merge_pair
 
 __all__ = ["train_byte_level_bpe", "write_gpt2_files"]
-
-
-def _merge(symbols: list[str], a: str, b: str) -> list[str]:
-    out, i, n = [], 0, len(symbols)
-    while i < n:
-        if i < n - 1 and symbols[i] == a and symbols[i + 1] == b:
-            out.append(a + b)
-            i += 2
-        else:
-            out.append(symbols[i])
-            i += 1
-    return out
 
 
 def train_byte_level_bpe(texts: Iterable[str], num_merges: int, min_frequency: int = 2):
@@ -67,7 +55,7 @@ def train_byte_level_bpe(texts: Iterable[str], num_merges: int, min_frequency: i
             for p in zip(syms, syms[1:]):
                 pair_count[p] -= f
                 changed.add(p)
-            syms = words[wi] = _merge(syms, *pair)
+            syms = words[wi] = merge_pair(syms, *pair)
             for p in zip(syms, syms[1:]):
                 pair_count[p] += f
                 where[p].add(wi)

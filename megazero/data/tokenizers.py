@@ -55,6 +55,19 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
+def merge_pair(symbols: list[str], first: str, second: str) -> list[str]:
+    """Replace every adjacent ``(first, second)`` in ``symbols`` by ``first + second``, left to right."""
+    merged, i, n = [], 0, len(symbols)
+    while i < n:
+        if i < n - 1 and symbols[i] == first and symbols[i + 1] == second:
+            merged.append(first + second)
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
 class GPT2BPETokenizer:
     """Byte-level BPE with GPT-2's vocab.json / merges.txt (see the module docstring)."""
 
@@ -104,16 +117,7 @@ class GPT2BPETokenizer:
                     best, best_rank = pair, r
             if best is None:
                 break
-            first, second = best
-            merged, i, n = [], 0, len(symbols)
-            while i < n:
-                if i < n - 1 and symbols[i] == first and symbols[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
+            symbols = merge_pair(symbols, *best)
         return symbols
 
     def _word_ids(self, piece: str) -> list[int]:
