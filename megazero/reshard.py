@@ -73,9 +73,11 @@ def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
 def check_model_shape(reader: CheckpointReader, args) -> None:
     """Refuse a checkpoint of another model (the parallel layout may differ, the shape may not)."""
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-            "vocab_size", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
+            "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
             "untie_embeddings_and_output_weights")
     saved = reader.args
+    if saved.get("position_embedding_type") == "rope":  # no weight depends on it
+        keys = tuple(k for k in keys if k != "max_position_embeddings")
     diffs = [f"{k} saved {saved.get(k)} vs now {getattr(args, k, None)}" for k in keys
              if k in saved and saved.get(k) != getattr(args, k, None)]
     if diffs:

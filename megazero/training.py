@@ -163,8 +163,9 @@ class Trainer:
         if args.finetune:
             _print_rank(self.rank, 0, f"loaded weights from {args.load} iteration {iteration} (finetune: iteration 0)")
             return
-        self.scheduler.load_state_dict(state["scheduler"])
-        if fast and not args.no_load_rng:
+        if state.get("scheduler") is not None:  # None: imported weights (tools/convert_checkpoint.py)
+            self.scheduler.load_state_dict(state["scheduler"])
+        if fast and not args.no_load_rng and "rng" in state:
             restore_rng(state["rng"], self.chunks)
         self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
         self.skipped, self.nans = state["counters"]["skipped"], state["counters"]["nans"]
