@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The `make train` demo: a small GPT on the bundled KJV corpus, 8 CPU ranks, full 3D parallelism:
 # TP 2 x PP 2 (2 virtual stages each, interleaved 1F1B) x DP 2 with ZeRO stage 2, bf16 params
-# with fp32 master weights, evaluation, TensorBoard logs and checkpoints.
+# with fp32 master weights, evaluation, TensorBoard logs and checkpoints. Then it loads the last
+# checkpoint into another layout (tensor parallelism GEN_TP, default 4, one pipeline stage) and
+# generates a few lines with a KV cache (tools/generate.py; docs/generation.md).
 #
 #   bash examples/train_demo_cpu.sh            (run tools/prepare_demo_data.sh first)
 #   TRAIN_ITERS=300 OUT=runs/demo bash examples/train_demo_cpu.sh
+#   GEN_TP=1 bash examples/train_demo_cpu.sh   (GEN_TP=0: skip generation)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,6 +15,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 DATA="${DATA:-data/prepared}"
 OUT="${OUT:-runs/demo}"
 TRAIN_ITERS="${TRAIN_ITERS:-150}"
+GEN_TP="${GEN_TP:-4}"
 mkdir -p "$OUT"
 
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py
@@ -32,3 +36,13 @@ OMP_NUM_THREADS=1 "${CMD[@]}" 2>&1 | tee "$OUT/train.log"
 echo "megazero demo: log        $OUT/train.log"
 echo "megazero demo: TensorBoard tensorboard --logdir $OUT/tensorboard"
 echo "megazero demo: checkpoint $OUT/checkpoints (latest: $(cat "$OUT/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo none))"
+
+if [ "$GEN_TP" -gt 0 ]; then
+  GEN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$GEN_TP" tools/generate.py
+    --load "$OUT/checkpoints" --tensor-model-parallel-size "$GEN_TP"
+    --prompt "In the beginning" --prompt "And God said unto Moses" --prompt "The LORD is my shepherd"
+    --max-new-tokens 40 --temperature 0.8 --top-p 0.9 --seed 1234)
+  echo "megazero demo: generating from the checkpoint (trained TP 2 x PP 2 x DP 2, ZeRO 2, bf16) at TP $GEN_TP"
+  printf '  %q' "${GEN[@]}"; echo
+  OMP_NUM_THREADS=1 "${GEN[@]}" 2>&1 | grep -v "TCPStore\|TORCHELASTIC" | tee "$OUT/generate.log"
+fi
