@@ -100,9 +100,12 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
         overrides["params_dtype"] = dtype
     config = reader.gpt_config(**overrides)
     model = GPTModel(config, topo, device=device).eval()
-    state = reader.full_model_state_dict(dtype=config.params_dtype)
+    wanted, loaded = {name for name, _ in model.named_parameters()}, set()
+    for name, full in reader.iter_full_params(dtype=config.params_dtype):  # one full tensor at a time
+        loaded |= wanted - set(model.load_full_state_dict({name: full}, strict=False))
     reader.close()
-    model.load_full_state_dict(state)
+    if wanted - loaded:
+        raise KeyError(f"{load_dir}: the checkpoint lacks {sorted(wanted - loaded)}")
     return model, reader
 
 
