@@ -13,9 +13,14 @@ temporary name), meet at a barrier, and only then does rank 0 rename the folder 
 ``latest_checkpointed_iteration.txt``. A rank killed mid-save leaves the previous checkpoint,
 and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by the next save.
 
-Loading reads the pointer, checks ``metadata.json``'s layout against the current run (a
-different layout is named field by field), and loads this rank's file with
-``torch.load(weights_only=True)``; a missing or truncated file is named in the error.
+``metadata.json`` also holds ``index``: every rank's description of its file (parameter names,
+TP split rules, local shapes, ZeRO regions and shards; see :mod:`megazero.checkpoint_reader`), so a
+checkpoint loads into any other layout (:mod:`megazero.reshard`) and converts without the run.
+
+Loading reads the pointer; in the same layout it loads this rank's file with
+``torch.load(weights_only=True)`` (bit-exact resume, RNG included), otherwise it reshards.  A
+missing, truncated or unsafe file is named in the error.  :func:`check_layout` remains for
+checkpoints without an index.
 """
 
 from __future__ import annotations

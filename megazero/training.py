@@ -143,6 +143,7 @@ class Trainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank takes the same path
             fast = bool(flags.item())
         t0 = time.time()
+        self.load_path = "exact" if fast else "resharded"
         if fast:
             state = ckpt.load_rank_state(args.load, iteration, self.rank)
             if len(state["model"]) != len(self.chunks):
