@@ -162,6 +162,21 @@ def table_preprocess(lines):
         _table(["step", "seconds", "MB/s"], rows)
 
 
+def table_generate(lines):
+    head = [l.strip() for l in lines if l.startswith("greedy generation")]
+    return head[-1:] + [""] + [l for l in lines if l.startswith("|")]
+
+
+def table_gpu_mfu(lines):
+    js = [j for j in _json_lines(lines) if j.get("bench") == "gpu_mfu"]
+    if not js:
+        return ["(no result)"]
+    j = js[-1]
+    keys = ("device", "params", "dtype", "zero_stage", "seq_length", "micro_batch_size", "num_micro_batches",
+            "median_step_s", "tokens_per_s", "achieved_tflops", "mfu")
+    return _table(list(keys), [[j[k] for k in keys]])
+
+
 def table_generic(lines):
     js = _json_lines(lines)
     if js:
@@ -170,7 +185,7 @@ def table_generic(lines):
 
 
 TABLES = {"tensor_parallel": table_tensor_parallel, "pipeline": table_pipeline, "zero": table_zero,
-          "preprocess": table_preprocess}
+          "preprocess": table_preprocess, "generate": table_generate, "gpu_mfu": table_gpu_mfu}
 
 
 def main(argv=None) -> int:
