@@ -35,7 +35,7 @@ def hf_model():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=4096, n_positions=128, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg).eval()
 
 
