@@ -55,6 +55,22 @@ def test_kv_cache_batching_and_recompute_agree(kind):
     assert a == b
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_chunked_prefill_equals_one_pass(kind):
+    from megazero.model.inference import InferenceCache
+    model = GPTModel(config(kind)).eval()
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        ref = model(prompt)
+        cache = InferenceCache(1, 16)
+        outs = []
+        for chunk in (prompt[:, :3], prompt[:, 3:7], prompt[:, 7:]):  # 3, then 4 tokens, then 1
+            cache.prepare(step_len=chunk.shape[1])
+            outs.append(model(chunk, inference_cache=cache))
+            cache.advance()
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_filters():
     z = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0]])
     assert torch.isfinite(filter_logits(z, top_k=2)).tolist() == [[True, False, True, False, False]]

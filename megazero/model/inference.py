@@ -106,5 +106,6 @@ class InferenceCache:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         # several new tokens after a prefix (chunked prefill): causal with the diagonal shifted
         s, end = q.shape[2], k.shape[2]
-        mask = torch.arange(end, device=q.device).unsqueeze(0) <= torch.arange(end - s, end, device=q.device).unsqueeze(1)
+        q_idx = torch.arange(end - s, end, device=q.device).unsqueeze(1)
+        mask = torch.arange(end, device=q.device).unsqueeze(0) <= q_idx
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
