@@ -16,6 +16,12 @@ DATA="${DATA:-data/prepared}"
 OUT="${OUT:-runs/demo}"
 TRAIN_ITERS="${TRAIN_ITERS:-150}"
 GEN_TP="${GEN_TP:-4}"
+if [ -e "$OUT/checkpoints/latest_checkpointed_iteration.txt" ]; then
+  # a fresh demo never overwrites an earlier one: keep it under a dated name
+  KEEP="$OUT.$(date +%Y%m%d-%H%M%S)"
+  mv "$OUT" "$KEEP"
+  echo "megazero demo: kept the previous run in $KEEP"
+fi
 mkdir -p "$OUT"
 
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py
