@@ -18,7 +18,8 @@
 #   model states 22.40 GiB + activations 13.80 GiB = 36.20 GiB per GPU -> fits 80 GB (on a 40 GB
 #   GPU use --micro-batch-size 2). Micro-batch 8: 50.0 GiB; 16: 77.6 GiB (too tight).
 #   Without recompute the planner counts the a*s^2 attention scores (no flash): 66.2 GiB at mb 4.
-# Throughput: bench/gpu_mfu.py measures this model's training step (tokens/s and MFU).
+# Throughput: `PYTHONPATH=. python bench/gpu_mfu.py --recompute selective --micro-batch-size 4` times
+# this model's training step (tokens/s and MFU; 8 micro-batches per step instead of 64).
 #
 #   DATA_PATH=/data/mycorpus_text_document TOKENIZER_MODEL=/data/sp32k.model bash examples/pretrain_gpt_1gpu.sh
 #   MOCK=1 bash examples/pretrain_gpt_1gpu.sh          # random tokens (vocab 32000): a throughput check
