@@ -48,6 +48,7 @@ def free_port() -> int:
 def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s):
     import torch
     torch.set_num_threads(1)
+    store = None
     try:
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
@@ -61,6 +62,14 @@ def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s)
     try:
         conn.send_bytes(payload)
         conn.close()
+        # rank 0 hosts the store: it must outlive every rank still using it (e.g. a rank that is
+        # still creating groups it is not part of), so each rank checks out and rank 0 waits.
+        if store is not None:
+            store.set(f"megazero/done/{rank}", "1")
+            if rank == 0:
+                store.wait([f"megazero/done/{r}" for r in range(world_size)])
+    except BaseException:  # noqa: BLE001 - the parent kills stragglers; nothing more to report
+        pass
     finally:
         os._exit(0)  # skip atexit handlers inherited from the parent (pytest, gloo teardown)
 
