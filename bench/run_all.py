@@ -37,6 +37,7 @@ def benches(quick: bool) -> list[tuple[str, list[str]]]:
     out = [("tensor_parallel", ["bench/tensor_parallel.py", "--steps", s(10, 5)]),
            ("pipeline", ["bench/pipeline.py", "--steps", s(6, 3), "--warmup", s(2, 1)]),
            ("zero", ["bench/zero.py", "--steps", s(8, 4)]),
+           ("zero", ["bench/zero.py", "--stage", "2", "3", "--tokens", "512", "--steps", s(8, 4)]),
            ("preprocess", ["bench/preprocess.py"] + (["--scale", "2"] if quick else []))]
     if os.path.exists(os.path.join(ROOT, "bench", "generate.py")):
         out.append(("generate", ["bench/generate.py"]))

@@ -154,7 +154,7 @@ def _state(topo, a, stage):
 def _bench(rank, world, a):
     topo = Topology(world, rank).create_groups()
     g = torch.Generator().manual_seed(rank)
-    x = [torch.randn(64, a.hidden, generator=g) for _ in range(a.micro_batches)]
+    x = [torch.randn(a.tokens, a.hidden, generator=g) for _ in range(a.micro_batches)]
     lines, systems, opts = [], {}, {}
     for stage in a.stage:
         lines.append(_state(topo, a, stage))
@@ -169,7 +169,8 @@ def _bench(rank, world, a):
         lines.append(_volume(opt, stage, a))
     for name, t in times.items():
         lines.append({"kind": "time", "system": name, "median_s": round(t, 5), "ranks": world,
-                      "micro_batches": a.micro_batches, "hidden": a.hidden, "layers": a.layers})
+                      "micro_batches": a.micro_batches, "tokens": a.tokens, "hidden": a.hidden,
+                      "layers": a.layers})
     for stage in a.stage:
         peer, target = ("fsdp2", 1.0) if stage == 3 else ("ddp", 1.05)
         r = times[f"zero-{stage}"] / times[peer]
@@ -188,6 +189,8 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=64,
+                   help="tokens per micro-batch per rank: compute per step grows with it, communication does not")
     p.add_argument("--bucket", type=int, default=2_000_000, help="--zero-reduce-bucket-size (elements)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
