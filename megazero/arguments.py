@@ -183,7 +183,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
     return p
 
 

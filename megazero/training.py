@@ -104,7 +104,7 @@ class Trainer:
         args = self.args
         with self.optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
             model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in self.chunks]
-        state = {"model": model, "rng": rng_state(self.chunks),
+        state = {"model": model, **({} if args.no_save_rng else {"rng": rng_state(self.chunks)}),
                  "scheduler": self.scheduler.state_dict(), "counters": {"skipped": self.skipped, "nans": self.nans}}
         if not args.no_save_optim:
             state["optimizer"] = self.optimizer.state_dict()
