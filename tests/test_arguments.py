@@ -69,6 +69,9 @@ def test_derived_values():
     (["--load", "/nonexistent/ckpt"], 8, ["--load", "/nonexistent/ckpt"]),
     (["--tokenizer-type", "BertTokenizer"], 8, ["--tokenizer-type", "BertTokenizer"]),
     (["--recompute-method", "uniform"], 8, ["--recompute-method", "--recompute-granularity full"]),
+    (["--group-query-attention"], 8, ["--group-query-attention", "--num-query-groups"]),
+    (["--micro-batch-size", "0"], 8, ["--micro-batch-size must be >= 1, got 0"]),
+    (["--tensor-model-parallel-size", "0"], 8, ["--tensor-model-parallel-size must be >= 1"]),
 ])
 def test_validation_rules(capsys, extra, world, needles):
     fails(capsys, extra, *needles, world_size=world)
