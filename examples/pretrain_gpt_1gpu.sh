@@ -57,11 +57,7 @@ ARGS=("${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${LOGGING[@]
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   mkdir -p "$OUT/checkpoints"   # --load must exist to validate
-  WORLD_SIZE=1 "$PYTHON" -c "import sys; from megazero.arguments import parse_args; \
-a = parse_args(sys.argv[1:]); print('flags OK: world', a.world_size, 'TP', a.tensor_model_parallel_size, \
-'PP', a.pipeline_model_parallel_size, 'DP', a.data_parallel_size, 'micro-batches', a.num_micro_batches)" "${ARGS[@]}"
-  "$PYTHON" -m megazero.plan "${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" --vocab-size 32000 \
-    --world-size 1 --gpu-memory-gb 80
+  PYTHON="$PYTHON" bash examples/dry_run.sh 1 32000 80 -- "${ARGS[@]}"
   exit 0
 fi
 

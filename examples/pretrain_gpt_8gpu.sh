@@ -64,12 +64,7 @@ ARGS=("${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${LOGGING[@]
 
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   mkdir -p "$OUT/checkpoints"   # --load must exist to validate
-  WORLD_SIZE="$NGPU" "$PYTHON" -c "import sys; from megazero.arguments import parse_args; \
-a = parse_args(sys.argv[1:]); print('flags OK: world', a.world_size, 'TP', a.tensor_model_parallel_size, \
-'PP', a.pipeline_model_parallel_size, 'VP', a.virtual_pipeline_model_parallel_size, 'DP', a.data_parallel_size, \
-'micro-batches', a.num_micro_batches, 'SP', a.sequence_parallel, 'ZeRO', a.zero_stage)" "${ARGS[@]}"
-  "$PYTHON" -m megazero.plan "${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" --vocab-size 32000 \
-    --world-size "$NGPU" --gpu-memory-gb 80
+  PYTHON="$PYTHON" bash examples/dry_run.sh "$NGPU" 32000 80 -- "${ARGS[@]}"
   exit 0
 fi
 
