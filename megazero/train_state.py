@@ -88,27 +88,36 @@ def micro_batch_iterator(dataset, consumed_samples: int, args, topo: Topology, d
         start = 0
 
 
-def build_model_and_optimizer(args, topo: Topology, device):
-    """Model chunks for this rank (VP of them) and the ZeRO optimizer over them."""
+def gpt_model_provider(args, topo: Topology) -> list:
+    """This rank's VP GPT chunks (Megatron's interleaved layer assignment)."""
     from megazero.model import GPTConfig
     from megazero.pipeline import build_model_chunks
+    return build_model_chunks(GPTConfig.from_args(args), topo)
+
+
+def build_model_and_optimizer(args, topo: Topology, device, model_provider=None):
+    """Model chunks for this rank (VP of them, from ``model_provider(args, topo)``) and the ZeRO
+    optimizer over them."""
     from megazero.zero import ZeroOptimizer
-    config = GPTConfig.from_args(args)
-    chunks = build_model_chunks(config, topo)
+    chunks = (model_provider or gpt_model_provider)(args, topo)
     chunks = [c.to(device) for c in chunks]
     optimizer = ZeroOptimizer.from_args(args, chunks, topo)
     return chunks, optimizer
 
 
 def run_schedule(args, chunks, micro_batches, topo: Topology, grad_scale=1.0, forward_only: bool = False,
-                 trace=None):
-    """One pass of the selected pipeline schedule over ``micro_batches``; the last stage's losses."""
+                 trace=None, forward_step_func=None):
+    """One pass of the selected pipeline schedule over ``micro_batches``; the last stage's losses.
+
+    ``forward_step_func(chunk, micro_batch, input_tensor)`` defaults to the GPT one (mean loss
+    over the micro-batch's unmasked tokens on the last stage)."""
     from megazero.pipeline import forward_backward
     from megazero.pipeline.chunks import gpt_forward_step
     from megazero.pipeline.p2p import pipeline_tensor_shape
     shape = pipeline_tensor_shape(args.seq_length, args.micro_batch_size, args.hidden_size,
                                   args.tensor_model_parallel_size, args.sequence_parallel)
-    return forward_backward(chunks, micro_batches, topo, gpt_forward_step, shape, args.params_dtype,
+    return forward_backward(chunks, micro_batches, topo, forward_step_func or gpt_forward_step, shape,
+                            args.params_dtype,
                             grad_scale=grad_scale, forward_only=forward_only, trace=trace)
 
 

@@ -37,14 +37,15 @@ def _print_rank(rank: int, target: int, text: str) -> None:
 class Trainer:
     """Owns everything one rank needs to train; built by :func:`pretrain`."""
 
-    def __init__(self, args, topo: Topology, device: torch.device):
+    def __init__(self, args, topo: Topology, device: torch.device, model_provider=None, forward_step_func=None):
         self.args, self.topo, self.device = args, topo, device
+        self.forward_step_func = forward_step_func
         self.rank, self.last_rank = dist.get_rank(), dist.get_world_size() - 1
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nans = 0, 0
         self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
         self.train_ds, self.valid_ds = build_datasets(args, topo)
-        self.chunks, self.optimizer = build_model_and_optimizer(args, topo, device)
+        self.chunks, self.optimizer = build_model_and_optimizer(args, topo, device, model_provider)
         self.scheduler = LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                      args.lr_decay_style)
         self.tb = TensorBoardLogger(args.tensorboard_dir, enabled=self.rank == self.last_rank)
@@ -58,7 +59,7 @@ class Trainer:
         trace = trace_for_step(args, steps_done, at=min(2, args.train_iters - self.first_iteration - 1))
         self.optimizer.zero_grad()
         losses = run_schedule(args, self.chunks, micro_batches, self.topo, grad_scale=self.optimizer.loss_scale,
-                              forward_only=False, trace=trace)
+                              forward_only=False, trace=trace, forward_step_func=self.forward_step_func)
         if trace is not None:
             write_pipeline_trace(args.pipeline_trace, trace, self.topo,
                                  print_fn=lambda s: _print_rank(self.rank, 0, s))
@@ -88,7 +89,8 @@ class Trainer:
         with torch.no_grad():
             for _ in range(args.eval_iters):
                 mbs = [next(it) for _ in range(args.num_micro_batches)]
-                losses = run_schedule(args, self.chunks, mbs, self.topo, grad_scale=1.0, forward_only=True)
+                losses = run_schedule(args, self.chunks, mbs, self.topo, grad_scale=1.0, forward_only=True,
+                                      forward_step_func=self.forward_step_func)
                 t = self._reduce_loss(losses)
                 if t is not None:
                     totals.append(t)
@@ -253,7 +255,7 @@ def memory_scalars(device: torch.device) -> dict:
         return {}
 
 
-def setup(args) -> Trainer:
+def setup(args, model_provider=None, forward_step_func=None) -> Trainer:
     """Start (or join) torch.distributed, build the topology and the trainer, load ``--load``."""
     launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if launch.world_size != args.world_size:
@@ -264,7 +266,7 @@ def setup(args) -> Trainer:
                     vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
     torch.manual_seed(args.seed + 100 * topo.pp_rank)
     np.random.seed(args.seed)
-    trainer = Trainer(args, topo, device)
+    trainer = Trainer(args, topo, device, model_provider, forward_step_func)
     if launch.rank == 0:
         print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
               f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
@@ -274,7 +276,7 @@ def setup(args) -> Trainer:
     return trainer
 
 
-def pretrain(args) -> int:
+def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
 
     Errors are printed with the failing rank; a checkpoint problem prints one line naming the
@@ -284,7 +286,7 @@ def pretrain(args) -> int:
     exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
-        trainer = setup(args)
+        trainer = setup(args, model_provider, forward_step_func)
         trainer.train(exit_signal)
         trainer.tb.close()
     except ckpt.CheckpointError as e:
