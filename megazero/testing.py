@@ -2,7 +2,7 @@
 
 ``run_distributed(fn, world_size, *args)`` forks ``world_size`` children.  Each child, before
 any torch op, pins itself to one intra-op thread (forked children with a multi-threaded pool can
-hang), joins a gloo process group through a ``TCPStore`` hosted by rank 0, calls
+hang), joins a gloo process group through a ``TCPStore`` hosted by one more forked process, calls
 ``fn(rank, world_size, *args, **kwargs)`` and sends back its result (pickled) or its traceback.
 
 The parent returns the list of results in rank order, or raises :class:`RankFailure` naming
@@ -11,8 +11,10 @@ collective, so they get ``grace_s`` seconds to finish and are then killed; when 
 but ``timeout_s`` passes, every rank is killed and :class:`RankTimeout` names the ranks that
 were still running.  Nothing is left behind either way.
 
-The parent starts no threads of its own (no store server, no process group): forking a process
-whose other threads may hold a lock (malloc, a store's event loop) can deadlock the child.
+The parent starts no threads of its own (the store server runs in its own forked process, not in
+the parent and not in rank 0): forking a process whose other threads may hold a lock (malloc, a
+store's event loop) can deadlock the child, and a rank that hosted the store would have to
+outlive every other rank, keeping its connections open after it fails.
 
 Forking costs ~0.2 s for 8 ranks, so tests share start-up cost by checking several layouts
 inside one launched function rather than by keeping a pool alive.
@@ -45,13 +47,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _store_host(port, world_size, timeout_s):
+    """A process that only hosts the rendezvous store, until the parent kills it."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,  # noqa: F841
+                          timeout=timedelta(seconds=timeout_s))  # serves from its own thread while we sleep
+    while True:
+        time.sleep(3600)
+
+
 def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s):
     import torch
     torch.set_num_threads(1)
-    store = None
     try:
         import torch.distributed as dist
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=collective_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
@@ -62,14 +72,6 @@ def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s)
     try:
         conn.send_bytes(payload)
         conn.close()
-        # rank 0 hosts the store: it must outlive every rank still using it (e.g. a rank that is
-        # still creating groups it is not part of), so each rank checks out and rank 0 waits.
-        if store is not None:
-            store.set(f"megazero/done/{rank}", "1")
-            if rank == 0:
-                store.wait([f"megazero/done/{r}" for r in range(world_size)])
-    except BaseException:  # noqa: BLE001 - the parent kills stragglers; nothing more to report
-        pass
     finally:
         os._exit(0)  # skip atexit handlers inherited from the parent (pytest, gloo teardown)
 
@@ -82,6 +84,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
     """
     ctx = mp.get_context("fork")
     port = free_port()
+    host = ctx.Process(target=_store_host, args=(port, world_size, collective_timeout_s), daemon=True)
+    host.start()
     procs, conns = [], {}
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
@@ -112,7 +116,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
                 if status != "ok" and first_error_at is None:
                     first_error_at = time.monotonic()
     finally:
-        for p in procs:
+        for p in procs + [host]:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join()
