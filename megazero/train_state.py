@@ -73,14 +73,13 @@ def build_datasets(args, topo: Topology):
 
 def micro_batch_iterator(dataset, consumed_samples: int, args, topo: Topology, device, cycle: bool = False):
     """Yield this DP rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on."""
-    from megazero.data import PretrainingSampler
+    from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(args.micro_batch_size, -1)
     start = consumed_samples
     while True:
         sampler = PretrainingSampler(len(dataset), start, args.micro_batch_size, topo.dp_rank, topo.dp)
         for indices in sampler:
-            text = torch.from_numpy(np.stack([dataset[i]["text"] for i in indices]).astype(np.int64)).to(device)
-            tokens, labels = text[:, :-1], text[:, 1:]
+            tokens, labels = (t.to(device) for t in get_tokens_and_labels(collate([dataset[i] for i in indices])))
             yield {"tokens": tokens, "labels": labels, "position_ids": position_ids,
                    "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
         if not cycle:

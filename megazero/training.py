@@ -67,15 +67,23 @@ class Trainer:
         ok, grad_norm = self.optimizer.step(self.scheduler.get_lr())
         return losses, ok, grad_norm
 
-    def _reduce_loss(self, losses) -> torch.Tensor | None:
-        """Mean micro-batch loss, averaged over the DP group (last stage only), as a tensor."""
+    def _local_loss(self, losses) -> torch.Tensor | None:
+        """This rank's mean micro-batch loss of one step (last stage only; no communication)."""
         if not self.topo.is_last_stage:
             return None
-        total = torch.stack([l.detach().float() for l in losses]).mean()
+        return torch.stack([l.detach().float() for l in losses]).mean()
+
+    def _dp_mean(self, step_losses: list) -> float | None:
+        """Mean of several steps' local losses, averaged over the DP group: one all-reduce and one
+        host read per log interval (or evaluation), on the last stage only. Every DP rank holds
+        the same number of steps (skipped steps are skipped everywhere)."""
+        if not self.topo.is_last_stage or not step_losses:
+            return None
+        total = torch.stack(step_losses).mean()
         if self.topo.dp > 1:
             dist.all_reduce(total, group=self.topo.dp_group)
             total /= self.topo.dp
-        return total
+        return total.item()
 
     def evaluate(self) -> float | None:
         args = self.args
@@ -91,12 +99,12 @@ class Trainer:
                 mbs = [next(it) for _ in range(args.num_micro_batches)]
                 losses = run_schedule(args, self.chunks, mbs, self.topo, grad_scale=1.0, forward_only=True,
                                       forward_step_func=self.forward_step_func)
-                t = self._reduce_loss(losses)
+                t = self._local_loss(losses)
                 if t is not None:
                     totals.append(t)
         for c in self.chunks:
             c.train()
-        return torch.stack(totals).mean().item() if totals else None
+        return self._dp_mean(totals)
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
@@ -191,12 +199,12 @@ class Trainer:
                 self.skipped += 1
                 if grad_norm is not None and not math.isfinite(grad_norm):
                     self.nans += 1
-            loss = self._reduce_loss(losses)
+            loss = self._local_loss(losses)
             if loss is not None and ok:
                 log_losses.append(loss)
             log_iters += 1
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                self._log(log_losses, (time.time() - log_start) / log_iters, grad_norm)
+                self._log(self._dp_mean(log_losses), (time.time() - log_start) / log_iters, grad_norm)
                 log_losses, log_start, log_iters = [], time.time(), 0
             if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 val = self.evaluate()
@@ -222,11 +230,11 @@ class Trainer:
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
 
-    def _log(self, losses: list, seconds_per_iter: float, grad_norm) -> None:
+    def _log(self, lm: float | None, seconds_per_iter: float, grad_norm) -> None:
         args = self.args
         if self.rank != self.last_rank:
             return
-        lm = torch.stack(losses).mean().item() if losses else float("nan")
+        lm = float("nan") if lm is None else lm
         self.history.append((self.iteration, lm))
         tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
         lr = self.scheduler.get_lr(self.scheduler.num_steps - 1)
