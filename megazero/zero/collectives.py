@@ -11,7 +11,8 @@ Volumes are counted two ways, per rank, in elements of the *full* (unsharded) te
   "reduce-scatter" is an ``all_reduce`` whose slice is kept (measured below), which moves ``2L``:
   the report says so (``primitive="all_reduce+slice"``, ``primitive_elems = 2L``).
 
-Primitive choice (``PRIMITIVES``), by measurement, 4 ranks x 4M fp32, one thread each:
+Primitive choice (``megazero.primitives.PRIMITIVES``, shared with tensor parallelism), by
+measurement, 4 ranks x 4M fp32, one thread each:
 
 =========  ==========================  =========================================
 backend    reduce_scatter               all_gather
@@ -32,13 +33,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-# backend -> {logical kind: primitive name}; the only place the choice is made.
-PRIMITIVES = {
-    "nccl": {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
-             "all_gather": "all_gather_into_tensor"},
-    "gloo": {"all_reduce": "all_reduce", "reduce_scatter": "all_reduce+slice",
-             "all_gather": "all_gather_list"},
-}
+from megazero.primitives import PRIMITIVES, primitives_for  # the per-backend choice (one place)
+
 # ring-equivalent volume of each primitive as a multiple of the full tensor's length
 PRIMITIVE_FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "reduce_scatter_list": 1,
                     "all_reduce+slice": 2, "all_gather_into_tensor": 1, "all_gather_list": 1}
@@ -73,7 +69,7 @@ class Collectives:
     def __init__(self, groups: dict, backend: str, overrides: dict | None = None):
         self.groups = groups
         self.backend = backend
-        self.primitives = dict(PRIMITIVES.get(backend, PRIMITIVES["nccl"]))
+        self.primitives = primitives_for(backend)
         self.primitives.update(overrides or {})
         self.stats = defaultdict(lambda: defaultdict(int))  # (group, kind) -> counters
         self.primitive_of = {}  # (group, kind) -> primitive name that ran
