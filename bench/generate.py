@@ -61,7 +61,7 @@ def time_hf(hf, prompts, new, use_cache):
 
 
 def _tp_worker(rank, world, hf_config, hf_state, prompts, new):
-    from megazero.topology import Topology
+    from megazero.parallel.topology import Topology
     topo = Topology(world, rank, tp=world).create_groups()
     model = megazero_model(hf_config, hf_state, topo)
     time_megazero(model, prompts[:1], 4, True)  # warm-up

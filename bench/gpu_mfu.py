@@ -5,7 +5,7 @@
     PYTHONPATH=. python bench/gpu_mfu.py --tiny           # a few-layer model on CPU: smoke test
     PYTHONPATH=. python bench/gpu_mfu.py --arch gpt2 --micro-batch-size 8 --zero-stage 0
 
-The step is the training loop's, unchanged (``megazero.train_state``): model chunks from
+The step is the training loop's, unchanged (``megazero.training.build``): model chunks from
 ``megazero.pipeline.build_model_chunks`` (one chunk, PP = 1), ``ZeroOptimizer`` (stage 0 or 1,
 DP = 1: bf16 parameters, fp32 gradient accumulation, fp32 master weights, ``torch._foreach_*``
 AdamW), one ``forward_backward`` over M micro-batches (gradient accumulation), then
@@ -20,7 +20,7 @@ Model (default ``--arch llama``): 24 layers, hidden 2048, 16 heads (head dim 128
 1.34B parameters. ``--arch gpt2``: GPT-3 XL shape (24 x 2048, FFN 8192, learned positions,
 LayerNorm, biases, tied embeddings, vocab 50257): 1.32B.
 
-MFU = model FLOPs per iteration (``megazero.logger.model_flops_per_iteration``, Megatron's
+MFU = model FLOPs per iteration (``megazero.training.logger.model_flops_per_iteration``, Megatron's
 formula, causal attention counted in full) / (seconds per iteration x peak dense bf16 FLOP/s).
 Peak from ``PEAK_BF16_TFLOPS`` by the GPU's name, or ``--peak-tflops``; none on CPU (MFU null).
 Prints one JSON object: tokens/s, median / mean step time, TFLOP/s, MFU, peak memory, the GPU.
@@ -104,10 +104,10 @@ def sdpa_context(backend: str, device: torch.device):
 
 def run(a) -> dict:
     from megazero.arguments import parse_args
-    from megazero.distributed import init_distributed
-    from megazero.logger import model_flops_per_iteration
-    from megazero.topology import Topology
-    from megazero.train_state import build_model_and_optimizer, run_schedule
+    from megazero.parallel.launch import init_distributed
+    from megazero.training.logger import model_flops_per_iteration
+    from megazero.parallel.topology import Topology
+    from megazero.training.build import build_model_and_optimizer, run_schedule
 
     backend = None if a.device == "cuda" else "gloo"
     argv = megatron_argv(a)

@@ -29,7 +29,7 @@ from torch import nn
 
 from megazero.pipeline import ScheduleTrace, forward_backward, gather_traces, bubble_report
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 LAYERS = 8
 

@@ -100,7 +100,7 @@ def _bench(rank, world, a):
 
     from megazero.model import GPTConfig
     from megazero.model.transformer import TransformerLayer
-    from megazero.topology import Topology
+    from megazero.parallel.topology import Topology
     from megazero.tensor_parallel import RNGTracker
 
     topo = Topology(world, rank, tp=world).create_groups()

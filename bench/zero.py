@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 
 class Block(nn.Module):

@@ -10,4 +10,4 @@ WORLD_SIZE="$NGPU" "$PYTHON" -c "import sys; from megazero.arguments import pars
 a = parse_args(sys.argv[1:]); print('flags OK: world', a.world_size, 'TP', a.tensor_model_parallel_size, \
 'PP', a.pipeline_model_parallel_size, 'VP', a.virtual_pipeline_model_parallel_size, 'DP', a.data_parallel_size, \
 'micro-batches', a.num_micro_batches, 'SP', a.sequence_parallel, 'ZeRO', a.zero_stage)" "$@"
-"$PYTHON" -m megazero.plan "$@" --vocab-size "$VOCAB" --world-size "$NGPU" --gpu-memory-gb "$MEM"
+"$PYTHON" -m megazero.planner "$@" --vocab-size "$VOCAB" --world-size "$NGPU" --gpu-memory-gb "$MEM"

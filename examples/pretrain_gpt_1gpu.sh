@@ -14,7 +14,7 @@
 # (0.5M tokens, 64 micro-batches of gradient accumulation per step). Dropout 0, so attention
 # goes through F.scaled_dot_product_attention (flash kernels on Ampere/Hopper).
 #
-# Memory, from the planner (python -m megazero.plan, same flags + --world-size 1):
+# Memory, from the planner (python -m megazero.planner, same flags + --world-size 1):
 #   model states 22.40 GiB + activations 13.80 GiB = 36.20 GiB per GPU -> fits 80 GB (on a 40 GB
 #   GPU use --micro-batch-size 2). Micro-batch 8: 50.0 GiB; 16: 77.6 GiB (too tight).
 #   Without recompute the planner counts the a*s^2 attention scores (no flash): 66.2 GiB at mb 4.

@@ -16,7 +16,7 @@
 #     attention runs through F.scaled_dot_product_attention (flash kernels).
 # Micro-batch 1 x 4096 tokens, global batch 256 sequences (1M tokens per step).
 #
-# Memory, from the planner (python -m megazero.plan, same flags + --world-size 8), the most
+# Memory, from the planner (python -m megazero.planner, same flags + --world-size 8), the most
 # loaded stage (the first):
 #   1.68B parameters per GPU; model states 18.83 GiB + activations 10.65 GiB = 29.48 GiB -> fits
 #   80 GB (micro-batch 2: 40.12 GiB, also fits). Communication per step per GPU: 268.7 GiB

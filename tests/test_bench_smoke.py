@@ -54,7 +54,7 @@ def test_peak_table_picks_the_specific_name():
 def test_flops_formula_matches_6n_plus_attention_for_the_default_model():
     """The default model's FLOPs per token ~ 6 N (+ attention), so MFU is on the usual scale."""
     from megazero.arguments import parse_args
-    from megazero.logger import model_flops_per_iteration
+    from megazero.training.logger import model_flops_per_iteration
     mfu = _load("gpu_mfu")
 
     class A:

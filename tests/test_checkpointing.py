@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from megazero import checkpointing as ckpt
+from megazero.checkpoint import files as ckpt
 from megazero.testing import RankFailure, run_distributed
 
 LAYOUT = {"world_size": 2, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.checkpoint_reader import CheckpointReader
+from megazero.checkpoint.reader import CheckpointReader
 from tests.test_reshard import BASE, layout_flags, run
 
 transformers = pytest.importorskip("transformers")

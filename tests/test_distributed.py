@@ -1,6 +1,6 @@
 """Launch-environment detection: torchrun, SLURM (hostlists, tasks per node), single process."""
 
-from megazero.distributed import detect_launch, expand_nodelist, threads_per_rank
+from megazero.parallel.launch import detect_launch, expand_nodelist, threads_per_rank
 
 
 def test_expand_nodelist():

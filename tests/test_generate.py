@@ -82,7 +82,7 @@ def test_filters():
 
 
 def _tp_generate(rank, world, kind, eod):
-    from megazero.topology import Topology
+    from megazero.parallel.topology import Topology
     topo = Topology(world, rank, tp=world).create_groups()
     model = GPTModel(config(kind), topo).eval()
     greedy = generate(model, PROMPTS, NEW, eod=eod).tokens
@@ -133,7 +133,7 @@ def _train_tiny(rank, world, argv):
     import signal
 
     from megazero.arguments import parse_args
-    from megazero.train_state import ExitSignal
+    from megazero.training.signals import ExitSignal
     from megazero.training import setup
     trainer = setup(parse_args(argv, world_size=world))
     trainer.train(ExitSignal.install((signal.SIGUSR1,)))
@@ -147,7 +147,7 @@ def _run_tool(rank, world, argv):
 
 
 def test_tool_loads_any_layout_into_tp1_and_tp2(tmp_path):
-    pytest.importorskip("megazero.checkpoint_reader")
+    pytest.importorskip("megazero.checkpoint.reader")
     save = str(tmp_path / "ckpt")
     train = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--train-iters", "2",

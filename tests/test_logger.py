@@ -3,7 +3,7 @@
 import re
 from types import SimpleNamespace
 
-from megazero.logger import iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
 
 EXAMPLE = (" iteration      100/    1000 | consumed samples:         3200 | elapsed time per iteration (ms): 512.3 |"
            " throughput per GPU (TFLOP/s/GPU): 0.1 | learning rate: 2.999999E-04 | global batch size:    32 |"

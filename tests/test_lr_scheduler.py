@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from megazero.lr_scheduler import LRScheduler
+from megazero.training.lr_schedule import LRScheduler
 
 
 def test_warmup_then_linear_and_cosine_decay():

@@ -1,4 +1,4 @@
-"""megazero.plan: parameter counts against real models, the ZeRO formulas, layout validity,
+"""megazero.planner: parameter counts against real models, the ZeRO formulas, layout validity,
 activation formulas and the command line."""
 
 import json
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from megazero import plan
+from megazero import planner as plan
 from megazero.model import GPTConfig, GPTModel
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 GPT2_SMALL = plan.Shape(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257, seq_length=1024)
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from megazero import checkpointing as ckpt
+from megazero.checkpoint import files as ckpt
 from megazero.arguments import parse_args
-from megazero.checkpoint_reader import KINDS, CheckpointReader
+from megazero.checkpoint.reader import KINDS, CheckpointReader
 from megazero.testing import run_distributed
 from tests.test_training import MOCK, TINY, layout_flags
 
@@ -21,7 +21,7 @@ def _run(rank, world_size, argv, save_at_load=None, train=True):
     """setup (which loads), optionally save right after loading (to inspect), then train."""
     import signal
 
-    from megazero.train_state import ExitSignal
+    from megazero.training.signals import ExitSignal
     from megazero.training import setup
     args = parse_args(argv, world_size=world_size)
     trainer = setup(args)

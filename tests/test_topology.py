@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.testing import RankFailure, RankTimeout, run_distributed
-from megazero.topology import Topology, layout
+from megazero.parallel.topology import Topology, layout
 
 
 def test_megatron_documented_groups_world16_tp2_pp4():
@@ -43,13 +43,13 @@ def test_layout_rejects_indivisible_world():
 
 
 def test_cli_prints_json():
-    out = subprocess.run([sys.executable, "-m", "megazero.topology", "--world-size", "16",
+    out = subprocess.run([sys.executable, "-m", "megazero.parallel.topology", "--world-size", "16",
                           "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
                          capture_output=True, text=True, check=True)
     groups = json.loads(out.stdout)
     assert set(groups) >= {"tp", "dp", "pp", "model_parallel", "embedding"}
     assert groups["embedding"][0] == [0, 12]
-    bad = subprocess.run([sys.executable, "-m", "megazero.topology", "--world-size", "6",
+    bad = subprocess.run([sys.executable, "-m", "megazero.parallel.topology", "--world-size", "6",
                           "--tensor-model-parallel-size", "4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not divisible" in bad.stderr
 

@@ -35,7 +35,7 @@ def layout_flags(tp, pp, vp, zero):
 def _train(rank, world_size, argv):
     from megazero.training import setup
     import signal as _signal
-    from megazero.train_state import ExitSignal
+    from megazero.training.signals import ExitSignal
     args = parse_args(argv, world_size=world_size)
     trainer = setup(args)
     trainer.train(ExitSignal.install((_signal.SIGUSR1,)))
@@ -134,7 +134,7 @@ def test_torchrun_end_to_end(tmp_path):
 def _one_rank_dies(rank, world_size, argv):
     import time
     from megazero.training import setup
-    from megazero.train_state import ExitSignal
+    from megazero.training.signals import ExitSignal
     trainer = setup(parse_args(argv, world_size=world_size))
     if rank == 1:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()

@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero import checkpointing as ckpt  # noqa: E402
-from megazero.checkpoint_reader import CheckpointReader  # noqa: E402
+from megazero.checkpoint import files as ckpt  # noqa: E402
+from megazero.checkpoint.reader import CheckpointReader  # noqa: E402
 from megazero.model import hf as hfmap  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,7 +169,7 @@ def pretrain_flags(config) -> str:
 def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     """Write ``save/iter_NNNNNNN/`` (see module doc); returns the :class:`GPTConfig`."""
     from megazero.model import GPTModel
-    from megazero.reshard import _split_of, named_parameters
+    from megazero.checkpoint.reshard import _split_of, named_parameters
     with open(os.path.join(hf_dir, "config.json")) as fh:
         cfg = json.load(fh)
     arch = hfmap.arch_of(cfg)

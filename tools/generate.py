@@ -6,7 +6,7 @@
     python tools/generate.py --load DIR --prompt-file prompts.txt --top-k 40 --temperature 0.8
 
 The checkpoint may come from any training layout (TP, PP, VP, DP, ZeRO stage, dtype): its full,
-unpadded weights are read (:class:`megazero.checkpoint_reader.CheckpointReader`) and sliced for
+unpadded weights are read (:class:`megazero.checkpoint.reader.CheckpointReader`) and sliced for
 this run's TP size (the vocabulary re-padded for it). The model is one pipeline stage without
 sequence parallelism or dropout; the tokenizer comes from the saved arguments (``--tokenizer-model``,
 ``--vocab-file``, ``--merge-file`` override paths). Prompts (``--prompt``, repeatable, and/or
@@ -77,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_topology(tp: int, backend: str | None):
     """(topology or None, device): joins torchrun's process group (or the caller's) when world > 1."""
-    from megazero.distributed import init_distributed
-    from megazero.topology import Topology
+    from megazero.parallel.launch import init_distributed
+    from megazero.parallel.topology import Topology
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         if tp != 1:
             raise SystemExit(f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}")
@@ -93,7 +93,7 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
     """(model, reader): a single-stage GPTModel at ``topo``'s TP size with the checkpoint's weights.
 
     ``reader.args`` are the saving run's arguments, ``reader.layout`` its parallel layout."""
-    from megazero.checkpoint_reader import CheckpointReader
+    from megazero.checkpoint.reader import CheckpointReader
     reader = CheckpointReader(load_dir, iteration)
     dtype = None if params_dtype == "saved" else DTYPES[params_dtype]
     overrides = dict(sequence_parallel=False, recompute_granularity=None, attention_dropout=0.0, hidden_dropout=0.0)

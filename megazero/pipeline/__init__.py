@@ -1,6 +1,6 @@
 """Pipeline parallelism: schedule plans, p2p, the runner, model chunking, schedule traces.
 
-Imports only ``megazero.topology``-shaped objects and torch; ``build_model_chunks`` imports
+Imports only ``megazero.parallel.topology``-shaped objects and torch; ``build_model_chunks`` imports
 ``megazero.model`` lazily (the pipeline/model seam).
 """
 

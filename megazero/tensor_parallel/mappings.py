@@ -19,7 +19,7 @@ function                               forward                             backw
 
 Sequence-parallel tensors use Megatron's ``[s, b, h]`` layout, so dim 0 is the sequence.
 
-Which primitive runs is chosen per backend in one place, :mod:`megazero.primitives`, by measurement
+Which primitive runs is chosen per backend in one place, :mod:`megazero.parallel.primitives`, by measurement
 (4 gloo ranks, one thread each, 4M-float full tensor): list ``all_gather`` 31 ms vs
 ``all_gather_single`` 59 ms; for reduce-scatter, ``all_reduce`` of the full tensor then a slice
 24 ms vs list ``reduce_scatter`` 43 ms vs ``reduce_scatter_single`` 84 ms. So on gloo the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.primitives import primitives_for
+from megazero.parallel.primitives import primitives_for
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
@@ -56,7 +56,7 @@ def group_rank(group) -> int:
 
 def _primitives(group) -> tuple[str, str]:
     """(all-gather primitive, reduce-scatter primitive) for this group's backend, from the
-    project-wide table :data:`megazero.primitives.PRIMITIVES` (see module doc)."""
+    project-wide table :data:`megazero.parallel.primitives.PRIMITIVES` (see module doc)."""
     table = primitives_for(dist.get_backend(group))
     return ("list" if table["all_gather"] == "all_gather_list" else "single",
             "all_reduce" if table["reduce_scatter"] == "all_reduce+slice" else "single")

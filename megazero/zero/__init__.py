@@ -1,6 +1,6 @@
 """ZeRO data parallelism (stages 0-3), mixed precision, loss scaling and global clipping.
 
-Imports only ``megazero.topology`` (through the caller) and torch.  See docs/zero.md.
+Imports only ``megazero.parallel.topology`` (through the caller) and torch.  See docs/zero.md.
 """
 
 from .collectives import PRIMITIVES, Collectives

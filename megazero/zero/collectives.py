@@ -11,7 +11,7 @@ Volumes are counted two ways, per rank, in elements of the *full* (unsharded) te
   "reduce-scatter" is an ``all_reduce`` whose slice is kept (measured below), which moves ``2L``:
   the report says so (``primitive="all_reduce+slice"``, ``primitive_elems = 2L``).
 
-Primitive choice (``megazero.primitives.PRIMITIVES``, shared with tensor parallelism), by
+Primitive choice (``megazero.parallel.primitives.PRIMITIVES``, shared with tensor parallelism), by
 measurement, 4 ranks x 4M fp32, one thread each:
 
 =========  ==========================  =========================================
@@ -33,7 +33,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megazero.primitives import PRIMITIVES, primitives_for  # the per-backend choice (one place)
+from megazero.parallel.primitives import PRIMITIVES, primitives_for  # the per-backend choice (one place)
 
 # ring-equivalent volume of each primitive as a multiple of the full tensor's length
 PRIMITIVE_FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "reduce_scatter_list": 1,

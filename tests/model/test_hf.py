@@ -16,7 +16,7 @@ from megazero.model import GPTModel  # noqa: E402
 from megazero.model.hf import config_from_hf, load_hf, read_hf_folder, to_hf_state_dict  # noqa: E402
 from megazero.tensor_parallel import gather_from_tp_region  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402
-from megazero.topology import Topology  # noqa: E402
+from megazero.parallel.topology import Topology  # noqa: E402
 
 VOCAB = 100
 

@@ -12,7 +12,7 @@ import torch
 
 from megazero.model import GPTConfig, GPTModel
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=8,
             make_vocab_size_divisible_by=4, attention_dropout=0.2, hidden_dropout=0.2)

@@ -12,7 +12,7 @@ import torch
 from megazero.model import GPTConfig, GPTModel
 from megazero.tensor_parallel import gather_from_tp_region
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 ARCHS = {
     "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=8,

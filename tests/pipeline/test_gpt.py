@@ -5,7 +5,7 @@ import torch
 from megazero.model import GPTConfig, GPTModel
 from megazero.pipeline import (allreduce_shared_embedding_grads, build_model_chunks, forward_backward,
                                gpt_forward_step, pipeline_tensor_shape, shared_embedding_params)
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 from .toy import launch, rel_err
 

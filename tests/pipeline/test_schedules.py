@@ -10,7 +10,7 @@ import torch
 from megazero.pipeline import (ScheduleTrace, allreduce_shared_embedding_grads, forward_backward, in_flight_bound,
                                write_pipeline_trace)
 from megazero.testing import RankFailure
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 from .toy import launch, reference, rel_err, toy_batches, toy_chunks, toy_step
 

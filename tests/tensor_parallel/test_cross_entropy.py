@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megazero.tensor_parallel import vocab_parallel_cross_entropy
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 K = 37
 

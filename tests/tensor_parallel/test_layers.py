@@ -14,7 +14,7 @@ from megazero.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, V
                                       gather_tensor, seeded_normal)
 from megazero.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 
 def _close(a, b):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megazero.tensor_parallel import mappings as M
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 
 def _close(a, b):

@@ -8,7 +8,7 @@ from megazero.model import GPTConfig, GPTModel
 from megazero.tensor_parallel import RNGTracker, dropout
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 from megazero.testing import run_distributed
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 
 def _masks(rank, world):

@@ -7,7 +7,7 @@ change the model's summation order, whatever the ZeRO stage; all stages err iden
 
 import torch
 
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 from .common import launch
 from .gpt_helpers import args_for, compare, gpt_batches, gpt_reference, gpt_train

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megazero.arguments import parse_args
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, find_units
 from megazero.zero.optimizer import _buckets
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megazero.topology import Topology
+from megazero.parallel.topology import Topology
 
 from .common import Net, batches, launch, max_rel, reference, train_zero
 

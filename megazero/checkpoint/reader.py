@@ -1,6 +1,6 @@
 """Read any megazero checkpoint as full, layout-free tensors, one parameter at a time.
 
-A checkpoint (see docs/checkpoints.md and :mod:`megazero.checkpointing`) is one file per rank
+A checkpoint (see docs/checkpoints.md and :mod:`megazero.checkpoint.files`) is one file per rank
 plus ``metadata.json``, whose ``index`` describes every rank's file::
 
     index = {"ranks": [{"rank": r, "tp_rank": t, "pp_rank": p, "dp_rank": d,
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero import checkpointing as ckpt
+from megazero.checkpoint import files as ckpt
 from megazero.tensor_parallel.layers import unshard
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"

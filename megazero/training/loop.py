@@ -20,12 +20,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import checkpointing as ckpt
-from megazero.distributed import init_distributed
-from megazero.logger import TensorBoardLogger, iteration_line, model_flops_per_iteration, validation_line
-from megazero.lr_scheduler import LRScheduler
-from megazero.topology import Topology
-from megazero.train_state import (ExitSignal, build_datasets, build_model_and_optimizer, micro_batch_iterator,
+from megazero.checkpoint import files as ckpt
+from megazero.parallel.launch import init_distributed
+from megazero.training.logger import TensorBoardLogger, iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.lr_schedule import LRScheduler
+from megazero.parallel.topology import Topology
+from megazero.training.signals import ExitSignal
+from megazero.training.build import (build_datasets, build_model_and_optimizer, micro_batch_iterator,
                                   restore_rng, rng_state, run_schedule)
 
 
@@ -110,7 +111,7 @@ class Trainer:
     def save(self) -> None:
         """Every rank writes its own file; rank 0 adds the gathered per-rank index (names, TP split
         rules, ZeRO regions) to ``metadata.json`` so any layout can load it (docs/checkpoints.md)."""
-        from megazero.reshard import rank_index
+        from megazero.checkpoint.reshard import rank_index
         args = self.args
         with self.optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
             model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in self.chunks]
@@ -131,10 +132,10 @@ class Trainer:
 
     def load(self) -> None:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
-        Otherwise reshard (megazero.reshard): each parameter's full tensor from the files that
+        Otherwise reshard (megazero.checkpoint.reshard): each parameter's full tensor from the files that
         hold it, sliced for this rank's TP/PP/ZeRO shard; the RNG states are not restored."""
-        from megazero.checkpoint_reader import CheckpointReader
-        from megazero.reshard import check_model_shape, load_resharded, rank_index, same_layout
+        from megazero.checkpoint.reader import CheckpointReader
+        from megazero.checkpoint.reshard import check_model_shape, load_resharded, rank_index, same_layout
         args = self.args
         iteration = ckpt.latest_iteration(args.load)
         if iteration is None:

@@ -1,6 +1,6 @@
 """Memory planner: per-GPU memory and communication of every (TP, PP, DP, ZeRO) layout.
 
-    python -m megazero.plan --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+    python -m megazero.planner --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
         --seq-length 2048 --micro-batch-size 4 --vocab-size 50257 --world-size 16 --bf16
 
 Every ``pretrain_gpt.py`` flag is accepted (model shape, ``--swiglu``, ``--sequence-parallel``,
@@ -318,7 +318,7 @@ def plan(shape: Shape, world_size: int, *, micro_batch_size: int, global_batch_s
 # ---- command line --------------------------------------------------------------------------
 def build_parser():
     from megazero.arguments import build_parser as megatron_parser
-    p = megatron_parser(prog="python -m megazero.plan")
+    p = megatron_parser(prog="python -m megazero.planner")
     p.description = "Per-GPU memory and communication of every (TP, PP, DP, ZeRO) layout (see docs/plan.md)."
     g = p.add_argument_group("planner")
     g.add_argument("--world-size", type=int, required=True, help="number of GPUs")

@@ -20,7 +20,7 @@ can live side by side in one test.  Rank lists are computed without any process 
 (:func:`layout`); :meth:`Topology.create_groups` then creates the real groups.  Every rank must
 create every group, in the same order, which ``create_groups`` guarantees.
 
-Run ``python -m megazero.topology --world-size 16 --tensor-model-parallel-size 2
+Run ``python -m megazero.parallel.topology --world-size 16 --tensor-model-parallel-size 2
 --pipeline-model-parallel-size 4`` to print the groups as JSON.
 """
 
@@ -167,7 +167,7 @@ class Topology:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megazero.topology",
+    parser = argparse.ArgumentParser(prog="python -m megazero.parallel.topology",
                                      description="Print the process groups of a layout as JSON.")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import checkpointing as ckpt
-from megazero.checkpoint_reader import CheckpointReader
+from megazero.checkpoint import files as ckpt
+from megazero.checkpoint.reader import CheckpointReader
 
 OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -51,7 +51,7 @@ def _split_of(module, p_name):
 
 
 def rank_index(topo, chunks, optimizer) -> dict:
-    """This rank's entry of ``metadata.json["index"]`` (see :mod:`megazero.checkpoint_reader`)."""
+    """This rank's entry of ``metadata.json["index"]`` (see :mod:`megazero.checkpoint.reader`)."""
     params, name_of = [], {}
     for c, name, module, p_name, p in named_parameters(chunks):
         params.append([c, name, list(p.shape), _split_of(module, p_name)])

@@ -6,31 +6,13 @@ Kept apart from :mod:`megazero.training` so the loop reads in one sitting.
 from __future__ import annotations
 
 import random
-import signal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megazero.arguments import set_padded_vocab_size
-from megazero.topology import Topology
-
-
-class ExitSignal:
-    """Records that SIGTERM/SIGUSR1 arrived; the loop saves and exits at the iteration's end."""
-
-    def __init__(self):
-        self.received = False
-
-    def _handler(self, signum, frame):
-        self.received = True
-
-    @classmethod
-    def install(cls, signums) -> "ExitSignal":
-        sig = cls()
-        for s in signums:
-            signal.signal(s, sig._handler)
-        return sig
+from megazero.parallel.topology import Topology
 
 
 class MockGPTDataset:

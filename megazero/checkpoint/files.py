@@ -14,8 +14,8 @@ temporary name), meet at a barrier, and only then does rank 0 rename the folder 
 and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by the next save.
 
 ``metadata.json`` also holds ``index``: every rank's description of its file (parameter names,
-TP split rules, local shapes, ZeRO regions and shards; see :mod:`megazero.checkpoint_reader`), so a
-checkpoint loads into any other layout (:mod:`megazero.reshard`) and converts without the run.
+TP split rules, local shapes, ZeRO regions and shards; see :mod:`megazero.checkpoint.reader`), so a
+checkpoint loads into any other layout (:mod:`megazero.checkpoint.reshard`) and converts without the run.
 
 Loading reads the pointer; in the same layout it loads this rank's file with
 ``torch.load(weights_only=True)`` (bit-exact resume, RNG included), otherwise it reshards.  A

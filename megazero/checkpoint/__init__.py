@@ -1,0 +1,1 @@
+"""Checkpoints: the on-disk format, saving and loading, the layout-free reader, resharding."""
