@@ -169,13 +169,13 @@ def pretrain_flags(config) -> str:
 def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     """Write ``save/iter_NNNNNNN/`` (see module doc); returns the :class:`GPTConfig`."""
     from megazero.model import GPTModel
-    from megazero.checkpoint.reshard import _split_of, named_parameters
+    from megazero.checkpoint.reshard import named_parameters
     with open(os.path.join(hf_dir, "config.json")) as fh:
         cfg = json.load(fh)
     arch = hfmap.arch_of(cfg)
     config = hfmap.config_from_hf(cfg)
     get, have = _hf_tensors(hf_dir)
-    mapping = hfmap._full_map(arch, config.num_layers)
+    mapping = hfmap.name_map(arch, config.num_layers)
     # templates give each parameter's module (TP split rule, vocab padding) without building the model:
     # embedding + head, and one layer whose names are renumbered
     ends = GPTModel(config, None, layer_start=0, layer_end=0, pre_process=True, post_process=True)
@@ -183,23 +183,23 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     entries = list(named_parameters([ends]))
     per_layer = list(named_parameters([layer]))
     first = [e for e in entries if e[1].startswith("embedding.")]
-    ordered = first + [(0, name.replace("layers.0.", f"layers.{i}.", 1), m, pn, p)
-                       for i in range(config.num_layers) for _, name, m, pn, p in per_layer]
+    ordered = first + [(0, name.replace("layers.0.", f"layers.{i}.", 1), m, pn, p, sp)
+                       for i in range(config.num_layers) for _, name, m, pn, p, sp in per_layer]
     ordered += [e for e in entries if not e[1].startswith("embedding.")]
     sd, params = {}, []
     target = DTYPES[dtype]
-    for _, name, module, p_name, p in ordered:
+    for _, name, module, p_name, p, split in ordered:
         sources = mapping[name]
         missing = [s for s, _ in sources if s not in have]
         if missing:
             raise KeyError(f"{hf_dir}: {name} needs {missing}")
         parts = [get(s).t() if transpose else get(s) for s, transpose in sources]
         full = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
-        local = module.full_to_local(p_name, full) if hasattr(module, "full_to_local") else full
+        local = full if split is None else split.to_local(full, 0, 1, local_rows=p.shape[split.dim])
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{name}: HF tensor gives {tuple(local.shape)}, expected {tuple(p.shape)}")
         sd[name] = local.to(target).contiguous()
-        params.append([0, name, list(p.shape), _split_of(module, p_name)])
+        params.append([0, name, list(p.shape), None if split is None else split.to_json()])
     del ends, layer
     layout = {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
               "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 1, "zero_stage": 0,

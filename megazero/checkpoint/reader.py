@@ -32,15 +32,12 @@ from __future__ import annotations
 import torch
 
 from megazero.checkpoint import files as ckpt
-from megazero.tensor_parallel.layers import unshard
+from megazero.model.config import ARG_KEYS, GPTConfig
+from megazero.tensor_parallel.spec import unshard
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 KINDS = ("weight", "master", "exp_avg", "exp_avg_sq")
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-              "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
-              "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
-              "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std", "seed",
-              "params_dtype", "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+MODEL_KEYS = ARG_KEYS + ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 class CheckpointReader:
@@ -108,16 +105,7 @@ class CheckpointReader:
 
     def gpt_config(self, **overrides):
         """A :class:`GPTConfig` of the saved model; ``padded_vocab_size`` None (re-padded per TP)."""
-        from types import SimpleNamespace
-
-        from megazero.model import GPTConfig
-        a = dict(self.args)
-        a["params_dtype"] = getattr(torch, a.get("params_dtype") or "float32")
-        a["padded_vocab_size"] = None
-        config = GPTConfig.from_args(SimpleNamespace(**a))
-        for k, v in overrides.items():
-            setattr(config, k, v)
-        return config
+        return GPTConfig.from_saved_args(self.args, **overrides)
 
     def param_names(self) -> list[str]:
         """Every parameter once, in model order (embedding, layers, final norm, head); with tied

@@ -25,36 +25,26 @@ import torch
 
 from megazero.checkpoint import files as ckpt
 from megazero.checkpoint.reader import CheckpointReader
+from megazero.tensor_parallel.spec import named_tp_params, to_local
 
 OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def named_parameters(chunks):
-    """``(chunk index, name, owning module, local name, param)`` of every parameter, once."""
+    """``(chunk index, name, owning module, local name, param, split)`` of every parameter, once."""
     seen = set()
     for c, chunk in enumerate(chunks):
-        for mod_name, module in chunk.named_modules():
-            for p_name, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
+        for name, module, p_name, p, split in named_tp_params(chunk):
+            if id(p) not in seen:
                 seen.add(id(p))
-                yield c, (f"{mod_name}.{p_name}" if mod_name else p_name), module, p_name, p
-
-
-def _split_of(module, p_name):
-    parts = getattr(module, "partitions", None)
-    spec = parts.get(p_name) if isinstance(parts, dict) else None
-    if spec is None:
-        return None
-    dim, sizes, real_rows = spec
-    return [int(dim), [int(s) for s in sizes] if sizes else None, None if real_rows is None else int(real_rows)]
+                yield c, name, module, p_name, p, split
 
 
 def rank_index(topo, chunks, optimizer) -> dict:
     """This rank's entry of ``metadata.json["index"]`` (see :mod:`megazero.checkpoint.reader`)."""
     params, name_of = [], {}
-    for c, name, module, p_name, p in named_parameters(chunks):
-        params.append([c, name, list(p.shape), _split_of(module, p_name)])
+    for c, name, _, _, p, split in named_parameters(chunks):
+        params.append([c, name, list(p.shape), None if split is None else split.to_json()])
         name_of[id(p)] = name
     import torch.distributed as dist
     return {"rank": dist.get_rank() if dist.is_initialized() else 0, "tp_rank": topo.tp_rank,
@@ -90,7 +80,8 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
 
     Returns whether the optimizer state was loaded.  Collective (ZeRO write-back / stage-3 gathers).
     """
-    info = {id(p): (name, module, p_name) for _, name, module, p_name, p in named_parameters(chunks)}
+    tp_rank, tp = optimizer.topo.tp_rank, optimizer.topo.tp
+    info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(chunks)}
     for name, _, _ in info.values():
         try:
             reader._resolve(name)
@@ -100,12 +91,12 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
     def local(p, kind):
         name, module, p_name = info[id(p)]
         full = reader.full_param(name, kind)
-        return module.full_to_local(p_name, full) if hasattr(module, "full_to_local") else full
+        return to_local(module, p_name, full, tp_rank, tp)
 
     with_optim = load_optim and reader.has_optimizer
     if not with_optim:
         with optimizer.gathered_params():
-            for _, _, _, _, p in named_parameters(chunks):
+            for _, _, _, _, p, _ in named_parameters(chunks):
                 p.copy_(local(p, "weight").to(p.dtype))
             optimizer.reload_model_params()
         return False

@@ -1,15 +1,49 @@
-"""GPTConfig: the model's shape and behaviour, independent of any parallel layout."""
+"""GPTConfig: the model's shape and behaviour, independent of any parallel layout.
+
+The rules that derive one size from others live here and nowhere else:
+
+* FFN size (:func:`default_ffn_hidden_size`): ``4 h``, or with SwiGLU ``64 * floor(8 h / 3 / 64)``
+  (at least 64), so that the gate + up + down matrices hold about as many weights as ``4 h``'s two;
+* vocabulary padding (:func:`pad_vocab_size`): ``V`` rounded up to a multiple of
+  ``make_vocab_size_divisible_by * TP``, so every TP shard of the vocabulary is equal;
+* the model's arguments as Megatron names them (:data:`ARG_KEYS`, :meth:`GPTConfig.to_args`,
+  :meth:`GPTConfig.from_args`): what a checkpoint records and what a load checks (:data:`SHAPE_KEYS`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from types import SimpleNamespace
 
 import torch
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
+# The model's arguments under Megatron's flag names (``dest`` form), as a checkpoint saves them.
+ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+            "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
+            "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
+            "swiglu", "openai_gelu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std",
+            "seed", "params_dtype")
+# The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
+# all of them (``max_position_embeddings`` only with learned positions).
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
+              "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
 
-@dataclass
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """``4 h``; with SwiGLU ``64 * floor(8 h / 3 / 64)`` (at least 64), Megatron's choice."""
+    return (int(8 * hidden_size / 3 / 64) * 64 or 64) if swiglu else 4 * hidden_size
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by * tp`` (equal TP shards)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
 class GPTConfig:
     """Everything the GPT needs; ``from_args`` maps Megatron's flags onto it.
 
@@ -52,17 +86,17 @@ class GPTConfig:
     label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            put("num_query_groups", self.num_attention_heads)
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size {self.hidden_size} not divisible by heads {self.num_attention_heads}")
-            self.kv_channels = self.hidden_size // self.num_attention_heads
+            put("kv_channels", self.hidden_size // self.num_attention_heads)
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = ((int(8 * self.hidden_size / 3 / 64) * 64 or 64) if self.activation == "swiglu"
-                                    else 4 * self.hidden_size)
+            put("ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.activation == "swiglu"))
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+            put("max_position_embeddings", self.seq_length)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} not in {ACTIVATIONS}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -85,8 +119,7 @@ class GPTConfig:
                 raise ValueError(f"padded_vocab_size {self.padded_vocab_size} must be >= vocab_size "
                                  f"{self.vocab_size} and divisible by TP {tp}")
             return self.padded_vocab_size
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     def check_tp(self, tp: int) -> None:
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
@@ -94,24 +127,67 @@ class GPTConfig:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by TP {tp}")
 
     @classmethod
-    def from_args(cls, args) -> "GPTConfig":
-        """From Megatron-style parsed args (``megazero.arguments.parse_args``); the vocabulary
-        comes from ``args.vocab_size`` / ``args.padded_vocab_size`` (set once the tokenizer is known)."""
-        vocab = getattr(args, "vocab_size", None)
+    def from_args(cls, args, vocab_size: int | None = None, padded_vocab_size: int | None = None) -> "GPTConfig":
+        """From Megatron-named arguments (a parsed ``argparse.Namespace``, or a checkpoint's saved
+        dict via :meth:`from_saved_args`). ``vocab_size``: the tokenizer's (default
+        ``args.vocab_size``); ``padded_vocab_size``: None pads per TP by the rule above."""
+        vocab = vocab_size if vocab_size is not None else getattr(args, "vocab_size", None)
         if vocab is None:
-            raise ValueError("args.vocab_size is not set (call arguments.set_padded_vocab_size first)")
+            raise ValueError("the vocabulary size is unknown (no tokenizer and no --vocab-size)")
+        activation = "swiglu" if args.swiglu else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")
         return cls(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            vocab_size=vocab, padded_vocab_size=getattr(args, "padded_vocab_size", None),
+            vocab_size=vocab, padded_vocab_size=padded_vocab_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, ffn_hidden_size=args.ffn_hidden_size,
             num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, seq_length=args.seq_length,
             max_position_embeddings=args.max_position_embeddings,
             position_embedding_type=args.position_embedding_type, rotary_base=float(args.rotary_base),
             normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-            activation="swiglu" if args.swiglu else "gelu", add_bias_linear=args.add_bias_linear,
+            activation=activation, add_bias_linear=args.add_bias_linear,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+            attention_dropout=getattr(args, "attention_dropout", 0.1),
+            hidden_dropout=getattr(args, "hidden_dropout", 0.1),
             init_method_std=args.init_method_std, seed=args.seed, params_dtype=args.params_dtype,
-            sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
-            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+            sequence_parallel=getattr(args, "sequence_parallel", False),
+            recompute_granularity=getattr(args, "recompute_granularity", None),
+            recompute_method=getattr(args, "recompute_method", None),
+            recompute_num_layers=getattr(args, "recompute_num_layers", None),
         )
+
+    @classmethod
+    def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":
+        """The model a checkpoint's saved arguments describe (``padded_vocab_size`` left None:
+        re-padded for the loading TP); ``overrides`` replace fields afterwards."""
+        a = {k: saved.get(k) for k in ARG_KEYS}
+        a["params_dtype"] = getattr(torch, a.get("params_dtype") or "float32")
+        a["rotary_base"] = a["rotary_base"] if a["rotary_base"] is not None else 10000.0
+        a["norm_epsilon"] = a["norm_epsilon"] if a["norm_epsilon"] is not None else 1e-5
+        a["openai_gelu"] = bool(saved.get("openai_gelu", False))
+        config = cls.from_args(SimpleNamespace(**a))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"not GPTConfig fields: {unknown}")
+        return replace_config(config, **overrides)
+
+    def to_args(self, tp: int = 1) -> dict:
+        """This config under Megatron's argument names (:data:`ARG_KEYS`), JSON-ready; the
+        padded vocabulary is the one for ``tp`` ranks."""
+        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "num_attention_heads": self.num_attention_heads, "num_query_groups": self.num_query_groups,
+                "kv_channels": self.kv_channels, "ffn_hidden_size": self.ffn_hidden_size,
+                "vocab_size": self.vocab_size, "padded_vocab_size": self.padded_vocab(tp),
+                "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by, "seq_length": self.seq_length,
+                "max_position_embeddings": self.max_position_embeddings,
+                "position_embedding_type": self.position_embedding_type, "rotary_base": self.rotary_base,
+                "normalization": self.normalization, "norm_epsilon": self.norm_epsilon,
+                "swiglu": self.activation == "swiglu", "openai_gelu": self.activation == "gelu_tanh",
+                "add_bias_linear": self.add_bias_linear,
+                "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
+                "init_method_std": self.init_method_std, "seed": self.seed,
+                "params_dtype": str(self.params_dtype).replace("torch.", "")}
+
+
+def replace_config(config: GPTConfig, **changes) -> GPTConfig:
+    """A copy of ``config`` with ``changes`` (configs are frozen)."""
+    return replace(config, **changes)

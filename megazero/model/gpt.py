@@ -30,9 +30,9 @@ from torch import nn
 
 from megazero.tensor_parallel import (ColumnParallelLinear, RNGTracker, VocabParallelEmbedding, checkpoint,
                                       default_device, dropout, scatter_to_sequence_parallel_region, seeded_normal,
+                                      named_tp_params, to_full, to_local, tp_duplicated_params,
                                       vocab_parallel_cross_entropy)
-from megazero.tensor_parallel.layers import _TPLayer
-from megazero.tensor_parallel.mappings import group_size
+from megazero.tensor_parallel.mappings import group_rank, group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .config import GPTConfig
@@ -178,16 +178,12 @@ class GPTModel(nn.Module):
         """Parameters replicated (not split) over the TP group: norms, row-parallel biases,
         position embeddings. Their gradients are equal on all TP ranks (under SP too), so a
         global gradient norm counts them once. Empty with TP = 1."""
-        if self.tp == 1:
-            return []
-        return [param for _, module, p_name, param in self._named_params()
-                if not (isinstance(module, _TPLayer) and module._partition(p_name) is not None)]
+        return tp_duplicated_params([self], self.tp)
 
     # ---- full (layout-independent) tensors ----------------------------------------------------
     def _named_params(self):
-        for mod_name, module in self.named_modules():
-            for p_name, param in module.named_parameters(recurse=False):
-                yield (f"{mod_name}.{p_name}" if mod_name else p_name), module, p_name, param
+        for name, module, p_name, param, _ in named_tp_params(self):
+            yield name, module, p_name, param
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter (or its gradient, zeros if None) as the full, unpadded tensor.
@@ -199,7 +195,7 @@ class GPTModel(nn.Module):
         out = {}
         for name, module, p_name, param in self._named_params():
             t = param.detach() if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
-            out[name] = module.local_to_full(p_name, t) if isinstance(module, _TPLayer) else t
+            out[name] = to_full(module, p_name, t, self.tp_group)
         return out
 
     @torch.no_grad()
@@ -216,7 +212,7 @@ class GPTModel(nn.Module):
             if full is None:
                 missing.append(name)
                 continue
-            local = module.full_to_local(p_name, full) if isinstance(module, _TPLayer) else full
+            local = to_local(module, p_name, full, group_rank(self.tp_group), self.tp)
             if local.shape != param.shape:
                 raise ValueError(f"{name}: full shape {tuple(full.shape)} gives {tuple(local.shape)}, "
                                  f"expected {tuple(param.shape)}")

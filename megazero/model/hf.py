@@ -136,7 +136,7 @@ def _global_map(arch: str) -> dict[str, list[tuple[str, bool]]]:
             "output_layer.weight": [("lm_head.weight", False)]}
 
 
-def _full_map(arch: str, num_layers: int) -> dict[str, list[tuple[str, bool]]]:
+def name_map(arch: str, num_layers: int) -> dict[str, list[tuple[str, bool]]]:
     m = _global_map(arch)
     for i in range(num_layers):
         m.update({f"layers.{i}.{k}": v for k, v in _layer_map(arch, i).items()})
@@ -147,7 +147,7 @@ def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> di
     """HF state dict -> megazero full state dict (names present in ``hf_state`` only)."""
     arch = arch or arch_of(hf_state)
     out = {}
-    for name, sources in _full_map(arch, config.num_layers).items():
+    for name, sources in name_map(arch, config.num_layers).items():
         if not all(src in hf_state for src, _ in sources):
             continue
         parts = [hf_state[src].t() if transpose else hf_state[src] for src, transpose in sources]
@@ -162,7 +162,7 @@ def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torc
     d, heads, groups, f = config.kv_channels, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
     split = {"attention.qkv": [heads * d, groups * d, groups * d], "mlp.fc1": [f, f]}
     out = {}
-    for name, targets in _full_map(arch, config.num_layers).items():
+    for name, targets in name_map(arch, config.num_layers).items():
         if name not in full_state:
             continue
         t = full_state[name]

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .spec import shard, to_full, to_local, unshard
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
@@ -61,23 +62,6 @@ def seeded_normal(std: float, seed: int, key: str) -> InitMethod:
         with torch.no_grad():
             t.normal_(0.0, std, generator=gen)
     return init
-
-
-def shard(full: torch.Tensor, dim: int, rank: int, p: int, partition_sizes=None) -> torch.Tensor:
-    """This rank's slice of ``full`` along ``dim``: block ``rank`` of each logical partition."""
-    sizes = list(partition_sizes) if partition_sizes else [full.shape[dim]]
-    if sum(sizes) != full.shape[dim] or any(s % p for s in sizes):
-        raise ValueError(f"cannot split sizes {sizes} of dim {dim} (shape {tuple(full.shape)}) {p} ways")
-    return torch.cat([b.chunk(p, dim)[rank] for b in full.split(sizes, dim)], dim).contiguous()
-
-
-def unshard(pieces: list[torch.Tensor], dim: int, partition_sizes=None) -> torch.Tensor:
-    """Inverse of :func:`shard` given every rank's slice (in rank order)."""
-    p = len(pieces)
-    sizes = list(partition_sizes) if partition_sizes else [pieces[0].shape[dim] * p]
-    local = [s // p for s in sizes]
-    blocks = [piece.split(local, dim) for piece in pieces]
-    return torch.cat([torch.cat([blocks[r][i] for r in range(p)], dim) for i in range(len(sizes))], dim)
 
 
 def gather_tensor(local: torch.Tensor, dim: int, group, partition_sizes=None) -> torch.Tensor:
@@ -108,30 +92,13 @@ def _full_weight(shape, init_method: InitMethod | None, real_rows: int | None) -
 
 
 class _TPLayer(nn.Module):
-    """Conversion between full tensors and this rank's slices for the layers below."""
-
-    # name -> (dim, partition_sizes, real_rows) for split parameters; absent = replicated
-    def _partition(self, name: str):
-        return self.partitions.get(name)
+    """Conversion between full tensors and this rank's slices, by :mod:`.spec`'s rule."""
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        spec = self._partition(name)
-        if spec is None:
-            return full
-        dim, sizes, real_rows = spec
-        if real_rows is not None:  # pad the vocabulary rows with zeros
-            padded = full.new_zeros((self.padded_rows,) + tuple(full.shape[1:]))
-            padded[:full.shape[0]] = full
-            full = padded
-        return shard(full, dim, group_rank(self.tp_group), group_size(self.tp_group), sizes)
+        return to_local(self, name, full, group_rank(self.tp_group), group_size(self.tp_group))
 
     def local_to_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        spec = self._partition(name)
-        if spec is None:
-            return local
-        dim, sizes, real_rows = spec
-        full = gather_tensor(local, dim, self.tp_group, sizes)
-        return full[:real_rows] if real_rows is not None else full
+        return to_full(self, name, local, self.tp_group)
 
     def _make(self, full: torch.Tensor, name: str, dtype, device) -> nn.Parameter:
         local = self.full_to_local(name, full) if name in self.partitions else full
@@ -157,7 +124,6 @@ class ColumnParallelLinear(_TPLayer):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and self.p > 1
-        self.padded_rows = out_features
         self.partitions = {"weight": (0, partition_sizes, real_out_features),
                            "bias": (0, partition_sizes, real_out_features)}
         device = default_device(tp_group) if device is None else device
@@ -252,7 +218,7 @@ class VocabParallelEmbedding(_TPLayer):
         self.vocab_size = num_embeddings if vocab_size is None else vocab_size
         if self.vocab_size > num_embeddings:
             raise ValueError(f"vocab_size {self.vocab_size} exceeds padded size {num_embeddings}")
-        self.num_embeddings, self.embedding_dim, self.padded_rows = num_embeddings, embedding_dim, num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel and self.p > 1
         per_rank = num_embeddings // self.p
         self.vocab_start = group_rank(tp_group) * per_rank

@@ -29,6 +29,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megazero.tensor_parallel.spec import tp_duplicated_params
+
 from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -181,7 +183,7 @@ class ZeroOptimizer:
             ws = [c.shared_embedding_weight() for c in chunks if hasattr(c, "shared_embedding_weight")]
             kw["shared_params"] = [(w, topo.embedding_group) for w in ws if w is not None]
         if "tp_duplicated_params" not in kw:
-            kw["tp_duplicated_params"] = tp_duplicated_params(chunks, topo)
+            kw["tp_duplicated_params"] = tp_duplicated_params(chunks, topo.tp)
         const = args.loss_scale if args.fp16 and args.loss_scale else None
         opts = dict(stage=args.zero_stage, num_micro_batches=args.num_micro_batches, lr=args.lr,
                     weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -397,28 +399,6 @@ class ZeroOptimizer:
             h.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
-
-
-def tp_duplicated_params(chunks, topo) -> list:
-    """Parameters replicated (not split) across TP ranks, whose gradient norm counts once.
-
-    A chunk may say so itself with a ``tp_duplicated_parameters()`` method.  Otherwise the
-    convention of ``megazero.tensor_parallel`` applies: a parameter is split iff its owning module
-    lists its name in a ``partitions`` dict; every other parameter (norms, row-parallel biases,
-    position embeddings) is duplicated.  With TP = 1 nothing is.
-    """
-    if topo.tp == 1:
-        return []
-    out = []
-    for chunk in chunks:
-        getter = getattr(chunk, "tp_duplicated_parameters", None)
-        if getter is not None:
-            out += list(getter())
-            continue
-        for m in chunk.modules():
-            parts = getattr(m, "partitions", None)
-            out += [p for n, p in m.named_parameters(recurse=False) if not (isinstance(parts, dict) and n in parts)]
-    return out
 
 
 def _buckets(params, size: int):
