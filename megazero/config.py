@@ -1,0 +1,69 @@
+"""Frozen configuration objects, built once from the validated arguments.
+
+``arguments.parse_args`` validates the flags (Megatron-LM's names, DeepSpeed's config keys) and
+derives the layout values; this module turns that namespace into immutable objects, each
+holding one concern, so nothing downstream reads or writes the argument namespace:
+
+* :class:`OptimizerConfig` -- the ZeRO optimizer's hyper-parameters, by the keyword names of
+  :class:`megazero.zero.ZeroOptimizer` (``ZeroOptimizer(chunks, topo, **cfg.kwargs(), ...)``).
+* the model's config is :class:`megazero.model.GPTConfig` (built by ``GPTConfig.from_args``
+  once the tokenizer's vocabulary size is known).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """ZeRO stage, AdamW, clipping and loss scaling; the fields are ZeroOptimizer's keywords.
+
+    ``loss_scale`` set: a constant scale (fp16 with ``--loss-scale``); ``dynamic_loss_scale``:
+    fp16 without one. bf16 accumulates gradients in fp32 (``accumulate_in_fp32``).
+    """
+
+    stage: int
+    num_micro_batches: int
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    clip_grad: float
+    params_dtype: torch.dtype
+    accumulate_in_fp32: bool
+    loss_scale: float | None
+    dynamic_loss_scale: bool
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: int
+    hysteresis: int
+    reduce_bucket_size: int
+    overlap_comm: bool
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int
+    max_reuse_distance: int
+
+    @classmethod
+    def from_args(cls, args) -> "OptimizerConfig":
+        """From ``parse_args``' namespace (Megatron flag names; DeepSpeed keys already merged)."""
+        return cls(stage=args.zero_stage, num_micro_batches=args.num_micro_batches, lr=args.lr,
+                   weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                   clip_grad=args.clip_grad, params_dtype=args.params_dtype,
+                   accumulate_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+                   loss_scale=args.loss_scale if args.fp16 and args.loss_scale else None,
+                   dynamic_loss_scale=bool(args.fp16 and not args.loss_scale),
+                   initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                   loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+                   reduce_bucket_size=args.zero_reduce_bucket_size, overlap_comm=args.zero_overlap_comm,
+                   prefetch_bucket_size=args.zero_prefetch_bucket_size,
+                   param_persistence_threshold=args.zero_param_persistence_threshold,
+                   max_live_parameters=args.zero_max_live_parameters,
+                   max_reuse_distance=args.zero_max_reuse_distance)
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of ``ZeroOptimizer``."""
+        return asdict(self)
