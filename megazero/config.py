@@ -46,6 +46,7 @@ class OptimizerConfig:
     param_persistence_threshold: int
     max_live_parameters: int
     max_reuse_distance: int
+    decoupled_weight_decay: bool = True
 
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":

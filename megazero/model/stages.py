@@ -14,6 +14,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from megazero.pipeline.chunks import chunk_layer_ranges, chunk_roles
+from megazero.pipeline.p2p import pipeline_tensor_shape
+from megazero.tensor_parallel.spec import tp_duplicated_params
+
+from .gpt import WORD_EMBEDDING
+
 
 @dataclass(frozen=True)
 class ModelStages:
@@ -44,3 +50,60 @@ class ModelStages:
 
 
 ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
+
+
+def build_model_chunks(config, topo) -> list[nn.Module]:
+    """This rank's VP ``GPTModel`` slices, in virtual-stage order: chunk ``c`` holds the global
+    layers of virtual stage ``c * PP + pp_rank`` (:func:`~megazero.pipeline.chunk_layer_ranges`),
+    the embedding on virtual stage 0, the final norm, output layer and loss on the last."""
+    from .gpt import GPTModel
+    ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank)
+    roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank)
+    return [GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post)
+            for (start, end), (pre, post) in zip(ranges, roles)]
+
+
+def shared_embedding_params(chunks, topo) -> list:
+    """The GPT's tied-embedding rule: ``[(weight, topo.embedding_group)]`` for this rank's copy of
+    the tied word embedding, or ``[]``.
+
+    Only with PP > 1 on the first stage (the embedding) or the last (its copy, the output layer's
+    weight, initialized equal) of a model with tied embeddings; the gradient sum over the
+    embedding group (first + last stage of each pipeline) keeps the copies equal.
+    """
+    if topo.pp == 1 or not (topo.is_first_stage or topo.is_last_stage):
+        return []
+    owners = ([chunks[0]] if topo.is_first_stage else []) + ([chunks[-1]] if topo.is_last_stage else [])
+    weights = [chunk.shared_embedding_weight() for chunk in owners]
+    return [(w, topo.embedding_group) for w in weights if w is not None]
+
+
+def gpt_stages(config, topo, micro_batch_size: int) -> ModelStages:
+    """The GPT as :class:`ModelStages`: Megatron's interleaved layer assignment
+    (:func:`build_model_chunks`), activations ``[s, b, h]`` (``[s / TP, b, h]`` with sequence
+    parallelism) in ``config.params_dtype``, the tied embedding's copies shared over the embedding
+    group (:func:`shared_embedding_params`; alias ``output_layer.weight`` ->
+    ``embedding.word_embeddings.weight``), each chunk's dropout RNG tracker to checkpoint."""
+    chunks = build_model_chunks(config, topo)
+    shape = pipeline_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size, topo.tp,
+                                  config.sequence_parallel)
+    aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
+    return ModelStages(chunks=chunks, activation_shape=shape, activation_dtype=config.params_dtype,
+                       shared_params=shared_embedding_params(chunks, topo),
+                       tp_duplicated_params=tp_duplicated_params(chunks, topo.tp),
+                       rng_states=[chunk.rng for chunk in chunks], aliases=aliases)
+
+
+def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
+    """The GPT's forward step (``forward_step`` of :class:`~megazero.pipeline.PipelineRunner`):
+    hidden states for the next stage, or on the last stage the micro-batch's mean loss over its
+    unmasked tokens ``sum(loss * loss_mask) / sum(loss_mask)`` (plain mean without a mask)."""
+    x = micro_batch["tokens"] if input_tensor is None else input_tensor
+    if not getattr(chunk, "post_process", False):
+        return chunk(x, position_ids=micro_batch.get("position_ids"))
+    losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"])
+    mask = micro_batch.get("loss_mask")
+    if mask is None:
+        return losses.float().mean()
+    mask = mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum()

@@ -68,15 +68,3 @@ class P2PCommunicator:
                 f"{peers} failed -- a peer stage probably raised or died: {e}") from e
         return out
 
-    # Megatron-style conveniences for callers outside the plan runner.
-    def send_forward(self, tensor: torch.Tensor) -> None:
-        self.exchange([(tensor, (self.topo.pp_rank + 1) % self.topo.pp)], [])
-
-    def recv_forward(self) -> torch.Tensor:
-        return self.exchange([], [(self.topo.pp_rank - 1) % self.topo.pp])[0]
-
-    def send_backward(self, tensor: torch.Tensor) -> None:
-        self.exchange([(tensor, (self.topo.pp_rank - 1) % self.topo.pp)], [])
-
-    def recv_backward(self) -> torch.Tensor:
-        return self.exchange([], [(self.topo.pp_rank + 1) % self.topo.pp])[0]

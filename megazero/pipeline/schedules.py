@@ -1,9 +1,12 @@
 """Run one step's pipeline plan: forwards, backwards and batched p2p exchanges of one rank.
 
-``forward_backward`` picks the schedule from the layout -- no pipelining (PP = 1, gradient
-accumulation), 1F1B (VP = 1, warm-up ``PP - r - 1``, bubble fraction ``(PP - 1) / M``) or
-interleaved 1F1B (VP = ``len(chunks)`` > 1, warm-up ``2 (PP - r - 1) + (VP - 1) PP``, bubble
-fraction ``(PP - 1) / (VP M)``) -- builds this rank's action list (:mod:`.plan`) and executes it.
+:class:`PipelineRunner` is built once per run: it picks the schedule from the layout -- no
+pipelining (PP = 1, gradient accumulation), 1F1B (VP = 1, warm-up ``PP - r - 1``, bubble
+fraction ``(PP - 1) / M``) or interleaved 1F1B (VP > 1, warm-up ``2 (PP - r - 1) + (VP - 1) PP``,
+bubble fraction ``(PP - 1) / (VP M)``) -- builds this rank's action lists (:mod:`.plan`, one
+for training, one forward-only) and the :class:`~.p2p.P2PCommunicator`; :meth:`PipelineRunner.run`
+executes one step.  It knows no model: the chunks, the micro-batches and the forward step are
+arguments.  :func:`forward_backward` is the one-call form (builds a runner for that one step).
 
 Losses: on the last virtual stage ``forward_step_func`` returns the micro-batch's scalar loss;
 the backward is seeded with ``loss * grad_scale / M`` (so gradients are those of the mean loss
@@ -30,7 +33,9 @@ from .p2p import P2PCommunicator
 from .plan import build_plan, schedule_name, warmup_count
 
 
-class _Runner:
+class _Step:
+    """The state of one step being executed (inputs, autograd edges, pending sends, losses)."""
+
     def __init__(self, chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace):
         self.chunks, self.mbs, self.topo = chunks, microbatches, topo
         self.step_fn, self.comm = forward_step_func, comm
@@ -120,6 +125,54 @@ class _Runner:
         return self.losses
 
 
+class PipelineRunner:
+    """This rank's schedule for ``num_micro_batches`` micro-batches, built once per run.
+
+    ``activation_shape`` / ``activation_dtype``: the tensor that travels between stages (and its
+    gradient back), e.g. ``ModelStages.activation_shape``; ``device``: where receives are
+    allocated (default: the chunks' device, read on the first :meth:`run`).  Holds
+    ``plans[forward_only]`` and the communicator ``comm``.
+    """
+
+    def __init__(self, topo, num_micro_batches: int, activation_shape, activation_dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        self.topo, self.m = topo, int(num_micro_batches)
+        self.shape, self.dtype = tuple(activation_shape), activation_dtype
+        self.plans = {fo: build_plan(topo.pp, topo.vp, self.m, topo.pp_rank, fo) for fo in (False, True)}
+        self.schedule = schedule_name(topo.pp, topo.vp)
+        self.warmup = warmup_count(topo.pp, topo.vp, self.m, topo.pp_rank)
+        self.comm = P2PCommunicator(topo, self.shape, self.dtype, device) if device is not None else None
+
+    def run(self, chunks, micro_batches, forward_step, grad_scale=1.0, forward_only: bool = False, trace=None,
+            stats: dict | None = None) -> list:
+        """One step; returns the last virtual stage's per-micro-batch losses (detached), else ``[]``.
+
+        ``chunks``: this rank's VP model chunks (a single module means VP = 1), in virtual-stage
+        order (chunk ``c`` is virtual stage ``c * PP + pp_rank``).  ``micro_batches``: the step's
+        ``M`` micro-batch dicts (every rank gets all of them; each stage uses what it needs).
+        ``forward_step(chunk, micro_batch, input_tensor)`` returns the chunk's output, a scalar
+        loss on the last virtual stage; ``input_tensor`` is ``None`` on the first virtual stage.
+        ``grad_scale``: float or 0-dim tensor multiplying the loss's gradient (fp16 loss scale).
+        ``forward_only``: no backward, no grad (evaluation).  ``trace``: a
+        :class:`~megazero.pipeline.trace.ScheduleTrace` to record this step into (adds a barrier).
+        ``stats``: a dict to receive ``schedule``, ``warmup``, ``max_in_flight``.
+        """
+        chunks = [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
+        micro_batches = list(micro_batches)
+        if len(chunks) != self.topo.vp:
+            raise ValueError(f"{len(chunks)} model chunks given, topology has VP {self.topo.vp}")
+        if len(micro_batches) != self.m:
+            raise ValueError(f"{len(micro_batches)} micro-batches given, the runner was built for {self.m}")
+        if self.comm is None:
+            self.comm = P2PCommunicator(self.topo, self.shape, self.dtype, _device_of(chunks))
+        step = _Step(chunks, micro_batches, self.topo, forward_step, self.comm, grad_scale, forward_only, trace)
+        with torch.no_grad() if forward_only else torch.enable_grad():
+            losses = step.run(self.plans[forward_only])
+        if stats is not None:
+            stats.update(schedule=self.schedule, max_in_flight=step.max_live, warmup=self.warmup)
+        return losses
+
+
 def _device_of(chunks) -> torch.device:
     for chunk in chunks:
         for p in chunk.parameters():
@@ -129,30 +182,10 @@ def _device_of(chunks) -> torch.device:
 
 def forward_backward(chunks, microbatches, topo, forward_step_func, tensor_shape, dtype,
                      grad_scale=1.0, forward_only: bool = False, trace=None, stats: dict | None = None):
-    """Run one step of this rank's pipeline schedule; return the last stage's micro-batch losses.
-
-    ``chunks``: this rank's model chunks (``nn.Module``; a single module means VP = 1), in
-    virtual-stage order (chunk ``c`` is virtual stage ``c * PP + pp_rank``).
-    ``microbatches``: the step's ``M`` micro-batch dicts (every rank gets all of them; each stage
-    uses what it needs).  ``forward_step_func(chunk, microbatch, input_tensor)`` returns the
-    chunk's output, a scalar loss on the last virtual stage; ``input_tensor`` is ``None`` on
-    the first virtual stage.  ``tensor_shape``/``dtype``: what travels between stages.
-    ``grad_scale``: float or 0-dim tensor multiplying the loss's gradient (fp16 loss scale).
-    ``forward_only``: no backward, no grad (evaluation).  ``trace``: a
-    :class:`~megazero.pipeline.trace.ScheduleTrace` to record this step into (adds a barrier).
-    ``stats``: a dict to receive ``schedule``, ``warmup``, ``max_in_flight``.
-    """
-    if isinstance(chunks, torch.nn.Module):
-        chunks = [chunks]
-    chunks, microbatches = list(chunks), list(microbatches)
-    if len(chunks) != topo.vp:
-        raise ValueError(f"{len(chunks)} model chunks given, topology has VP {topo.vp}")
-    plan = build_plan(topo.pp, len(chunks), len(microbatches), topo.pp_rank, forward_only)
-    comm = P2PCommunicator(topo, tensor_shape, dtype, _device_of(chunks))
-    runner = _Runner(chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace)
-    with torch.no_grad() if forward_only else torch.enable_grad():
-        losses = runner.run(plan)
-    if stats is not None:
-        stats.update(schedule=schedule_name(topo.pp, len(chunks)), max_in_flight=runner.max_live,
-                     warmup=warmup_count(topo.pp, len(chunks), len(microbatches), topo.pp_rank))
-    return losses
+    """One step with a runner built for it: ``PipelineRunner(topo, len(microbatches),
+    tensor_shape, dtype).run(chunks, microbatches, forward_step_func, ...)`` (tests, benchmarks;
+    training builds its runner once)."""
+    microbatches = list(microbatches)
+    runner = PipelineRunner(topo, len(microbatches), tensor_shape, dtype)
+    return runner.run(chunks, microbatches, forward_step_func, grad_scale=grad_scale, forward_only=forward_only,
+                      trace=trace, stats=stats)

@@ -4,9 +4,9 @@ Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing), and a b
 Usage (what the training loop does for ``--pipeline-trace FILE``)::
 
     trace = trace_for_step(args, steps_done)         # a ScheduleTrace on the traced step, else None
-    losses = forward_backward(..., trace=trace)
+    losses = runner.run(..., trace=trace)            # a PipelineRunner
     if trace is not None:
-        write_pipeline_trace(args.pipeline_trace, trace, topo)   # collective over the world
+        write_pipeline_trace(args.pipeline_trace, trace)   # collective over the world
 
 Timestamps are relative to each rank's exit from a pipeline-group barrier at the start of the
 step (so ranks on different hosts line up to within the barrier's skew).  Measured bubble of
@@ -107,7 +107,7 @@ def gather_traces(trace: ScheduleTrace, group=None, dst: int = 0) -> list[dict] 
     return everything
 
 
-def write_pipeline_trace(path: str, trace: ScheduleTrace, topo=None, print_fn=print) -> dict | None:
+def write_pipeline_trace(path: str, trace: ScheduleTrace, print_fn=print) -> dict | None:
     """Collective over the world: gather every rank's trace to rank 0, which writes the Chrome
     trace to ``path`` and prints and returns the bubble report (other ranks return None)."""
     traces = gather_traces(trace)

@@ -65,3 +65,14 @@ class DynamicLossScaler:
         self.scale = float(sd["scale"])
         self.growth_tracker = int(sd["growth_tracker"])
         self.hysteresis_tracker = int(sd["hysteresis_tracker"])
+
+
+def make_loss_scaler(params_dtype, loss_scale: float | None, dynamic_loss_scale: bool | None,
+                     initial_loss_scale: float, min_loss_scale: float, loss_scale_window: int, hysteresis: int):
+    """``loss_scale`` given: constant; dynamic when asked, or by default for fp16; else 1.0."""
+    import torch
+    if loss_scale is not None:
+        return ConstantLossScaler(loss_scale)
+    if dynamic_loss_scale or (dynamic_loss_scale is None and params_dtype == torch.float16):
+        return DynamicLossScaler(initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis)
+    return ConstantLossScaler(1.0)

@@ -29,13 +29,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megazero.tensor_parallel.spec import tp_duplicated_params
-
 from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives
-from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .loss_scaler import make_loss_scaler
 from .region import Region
-from .stage3 import ParamGatherer, find_units
+from .regions import RegionContext, build_regions, buckets, cast_params, trainable_params
+from .stage3 import ParamGatherer
+
+_buckets = buckets  # the old private name, still imported by tests/zero/test_deepspeed_config.py
 
 
 class ZeroOptimizer:
@@ -43,125 +44,54 @@ class ZeroOptimizer:
     (virtual pipeline chunks); ``shared_params``: ``[(param, process_group)]`` whose gradients are
     summed over the group before DP reduction (same order on every member; the norm counts them
     on the group's first rank only); ``tp_duplicated_params``: parameters replicated across TP
-    (norm counted on TP rank 0 only); ``units``: stage-3 unit modules per chunk (list of lists)."""
+    (norm counted on TP rank 0 only); ``units``: stage-3 unit modules per chunk (list of lists).
+    The optimizer knows no model: both lists come from the model's ``ModelStages``.
+    ``decoupled_weight_decay``: AdamW's decoupled decay (True) or L2 added to the gradient
+    (False); stored, not yet used by the step."""
 
     def __init__(self, model_chunks, topo, *, stage: int = 0, num_micro_batches: int = 1, lr: float = 1e-4,
                  weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
-                 params_dtype: torch.dtype | None = None, accumulate_in_fp32: bool | None = None,
-                 loss_scale: float | None = None, dynamic_loss_scale: bool | None = None,
-                 initial_loss_scale: float = 2.0 ** 32, min_loss_scale: float = 1.0, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
-                 overlap_comm: bool = True, contiguous_gradients: bool = True, prefetch_bucket_size: int = 50_000_000,
-                 param_persistence_threshold: int = 100_000, max_live_parameters: int = 1_000_000_000,
-                 max_reuse_distance: int = 1_000_000_000, shared_params=(), tp_duplicated_params=(), units=None,
-                 primitives: dict | None = None):
+                 decoupled_weight_decay: bool = True, params_dtype: torch.dtype | None = None,
+                 accumulate_in_fp32: bool | None = None, loss_scale: float | None = None,
+                 dynamic_loss_scale: bool | None = None, initial_loss_scale: float = 2.0 ** 32,
+                 min_loss_scale: float = 1.0, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True,
+                 prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
+                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         self.topo, self.stage, self.M = topo, stage, int(num_micro_batches)
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, tuple(betas), eps, clip_grad
+        self.decoupled_weight_decay = bool(decoupled_weight_decay)
         self.overlap = overlap_comm
-        self.allgather_bucket_size, self.contiguous_gradients = allgather_bucket_size, contiguous_gradients
-
-        trainable, seen = [], set()
-        for chunk in chunks:
-            ps = [p for p in chunk.parameters() if p.requires_grad and p not in seen]
-            seen.update(ps)
-            trainable.append(ps)
-        first = next((p for ps in trainable for p in ps), None)
-        if first is None:
-            raise ValueError("no trainable parameters")
-        self.device = first.device
-        dtype = params_dtype or first.dtype
-        for ps in trainable:
-            for p in ps:
-                if p.dtype != dtype:
-                    p.data = p.data.to(dtype)
-        self.params_dtype = dtype
+        trainable = trainable_params(chunks)
+        self.device, self.params_dtype = cast_params(trainable, params_dtype)
         if accumulate_in_fp32 is None:
-            accumulate_in_fp32 = dtype == torch.bfloat16
-        self.grad_dtype = torch.float32 if (accumulate_in_fp32 or dtype == torch.float32) else dtype
+            accumulate_in_fp32 = self.params_dtype == torch.bfloat16
+        fp32 = accumulate_in_fp32 or self.params_dtype == torch.float32
+        self.grad_dtype = torch.float32 if fp32 else self.params_dtype
+        self.scaler = make_loss_scaler(self.params_dtype, loss_scale, dynamic_loss_scale, initial_loss_scale,
+                                       min_loss_scale, loss_scale_window, hysteresis)
 
-        if loss_scale is not None:
-            self.scaler = ConstantLossScaler(loss_scale)
-        elif dynamic_loss_scale or (dynamic_loss_scale is None and dtype == torch.float16):
-            self.scaler = DynamicLossScaler(initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis)
-        else:
-            self.scaler = ConstantLossScaler(1.0)
-
-        # ---- groups ----
-        backend = dist.get_backend()
-        groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
-                  "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
-                  "world": (None, dist.get_world_size(), dist.get_rank())}
-        shared_of, self.shared_names = {}, []
-        for p, g in shared_params:
-            name = next((n for n, (gg, _, _) in groups.items() if gg is g and n.startswith("tie")), None)
-            if name is None:
-                name = f"tie{len(self.shared_names)}"
-                groups[name] = (g, dist.get_world_size(g), dist.get_rank(g))
-                self.shared_names.append(name)
-            shared_of[p] = name
-        self.comm = Collectives(groups, backend, primitives)
-        tp_dup = set(tp_duplicated_params)
-
-        def counted(p):
-            if p in tp_dup and topo.tp_rank != 0:
-                return False
-            return not (p in shared_of and groups[shared_of[p]][2] != 0)
-
-        def region(ps, chunk, *, partitioned=False, flush_every=None, keep_full=None, shared=None):
-            flush = flush_every if flush_every is not None else (1 if stage == 2 else self.M)
-            keep = keep_full if keep_full is not None else stage <= 1
-            return Region(ps, [counted(p) for p in ps], comm=self.comm, dp_size=topo.dp, dp_rank=topo.dp_rank,
-                          stage=stage, partitioned=partitioned, flush_every=flush, keep_full_grad=keep,
-                          grad_dtype=self.grad_dtype, shared=shared, chunk=chunk)
-
-        # ---- regions: buckets (stage 0-2) or units (stage 3), then tie groups ----
-        self.regions: list[Region] = []
-        stage3_units = []
-        self.persistent_numel = 0
-        for c, (chunk, ps) in enumerate(zip(chunks, trainable)):
-            own = [p for p in ps if p not in shared_of]
-            if stage < 3:
-                self.regions += [region(b, c) for b in _buckets(list(reversed(own)), reduce_bucket_size)]
-                continue
-            regs = defaultdict(int)
-            for m in chunk.modules():
-                for p in m.parameters(recurse=False):
-                    regs[p] += 1
-            ownset = set(own)
-            persistent = [p for p in own if regs[p] > 1 or p.numel() < param_persistence_threshold]
-            pset = set(persistent)
-            chunk_units = units[c] if units is not None else None
-            for module, ups in reversed(find_units(chunk, chunk_units)):
-                ups = [p for p in ups if p in ownset and p not in pset]
-                if ups:
-                    r = region(ups, c, partitioned=True, flush_every=1, keep_full=False)
-                    self.regions.append(r)
-                    stage3_units.append((module, r, c, module is chunk))
-            if persistent:
-                self.persistent_numel += sum(p.numel() for p in persistent)
-                self.regions.append(region(list(reversed(persistent)), c, flush_every=self.M, keep_full=True))
-        for name in self.shared_names:
-            ps = [p for p, g in shared_params if shared_of[p] == name]
-            self.regions.append(region(ps, -1, flush_every=self.M, keep_full=True, shared=name))
+        groups, shared_of = _process_groups(topo, shared_params)
+        self.shared_names = list(dict.fromkeys(shared_of.values()))
+        self.comm = Collectives(groups, dist.get_backend(), primitives)
+        uncounted = {p for p in tp_duplicated_params if topo.tp_rank != 0}
+        uncounted |= {p for p, name in shared_of.items() if groups[name][2] != 0}
+        ctx = RegionContext(self.comm, stage, self.M, topo.dp, topo.dp_rank, self.grad_dtype, frozenset(uncounted))
+        built = build_regions(ctx, chunks, trainable, shared_of, reduce_bucket_size=reduce_bucket_size,
+                              param_persistence_threshold=param_persistence_threshold, units=units)
+        self.regions: list[Region] = built.regions
+        self.persistent_numel = built.persistent_numel
+        self.phi = sum(r.numel for r in self.regions)
         self.gatherer = None
-        if stage3_units:
-            self.gatherer = ParamGatherer(stage3_units, prefetch_bucket_size=prefetch_bucket_size,
+        if built.units:
+            self.gatherer = ParamGatherer(built.units, prefetch_bucket_size=prefetch_bucket_size,
                                           max_live_parameters=max_live_parameters,
                                           max_reuse_distance=max_reuse_distance, overlap=overlap_comm)
-
-        self.phi = sum(r.numel for r in self.regions)
-        self._hooks = []
-        if self.gatherer is not None:  # loading model weights re-reads the fp32 master shards
-            self.gatherer.hook_state_dicts(chunks, self.reload_model_params)
-        else:
-            self._hooks += [c.register_load_state_dict_post_hook(lambda m, k: self.reload_model_params())
-                            for c in chunks]
-        for r in self.regions:
-            for i, p in enumerate(r.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(r, i)))
+        self._hooks = self._register_hooks(chunks)
         self._inflight = []
         self._max_inflight = 4 if stage >= 2 else 1 << 30
         self._synced = False
@@ -170,37 +100,18 @@ class ZeroOptimizer:
         self.nan_iterations = 0
         self.last_comm: dict = {}
 
-    @classmethod
-    def from_args(cls, args, model_chunks, topo, **kw):
-        """Build from megazero.arguments (Megatron / DeepSpeed flag names).
-
-        Unless given in ``kw``: ``shared_params`` are the chunks' ``shared_embedding_weight()``
-        (PP > 1, first/last stage) over ``topo.embedding_group``; ``tp_duplicated_params`` come
-        from :func:`tp_duplicated_params` (no import of the model package: duck typing).
-        """
-        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        if "shared_params" not in kw and topo.pp > 1:
-            ws = [c.shared_embedding_weight() for c in chunks if hasattr(c, "shared_embedding_weight")]
-            kw["shared_params"] = [(w, topo.embedding_group) for w in ws if w is not None]
-        if "tp_duplicated_params" not in kw:
-            kw["tp_duplicated_params"] = tp_duplicated_params(chunks, topo.tp)
-        const = args.loss_scale if args.fp16 and args.loss_scale else None
-        opts = dict(stage=args.zero_stage, num_micro_batches=args.num_micro_batches, lr=args.lr,
-                    weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                    clip_grad=args.clip_grad, params_dtype=args.params_dtype,
-                    accumulate_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32), loss_scale=const,
-                    dynamic_loss_scale=bool(args.fp16 and not args.loss_scale),
-                    initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-                    loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-                    reduce_bucket_size=args.zero_reduce_bucket_size,
-                    allgather_bucket_size=args.zero_allgather_bucket_size, overlap_comm=args.zero_overlap_comm,
-                    contiguous_gradients=args.zero_contiguous_gradients,
-                    prefetch_bucket_size=args.zero_prefetch_bucket_size,
-                    param_persistence_threshold=args.zero_param_persistence_threshold,
-                    max_live_parameters=args.zero_max_live_parameters,
-                    max_reuse_distance=args.zero_max_reuse_distance)
-        opts.update(kw)
-        return cls(chunks, topo, **opts)
+    def _register_hooks(self, chunks) -> list:
+        """Gradient hooks on every parameter, and the re-read of the masters after a chunk's
+        ``load_state_dict`` (stage 3: through the gatherer, which also gathers for it)."""
+        hooks = []
+        if self.gatherer is not None:
+            self.gatherer.hook_state_dicts(chunks, self.reload_model_params)
+        else:
+            hooks += [c.register_load_state_dict_post_hook(lambda m, k: self.reload_model_params()) for c in chunks]
+        for r in self.regions:
+            for i, p in enumerate(r.params):
+                hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(r, i)))
+        return hooks
 
     # ---- gradients -------------------------------------------------------------------------
     @property
@@ -320,22 +231,13 @@ class ZeroOptimizer:
         while self._inflight:
             self._inflight.pop(0).wait()
         for r in self.regions:
-            for p in r.params:
-                p.grad = None
-            if r.dirty or not r.fresh:
-                r.counts, r.complete, r.dirty = [0] * len(r.params), 0, False
-                if r.full_grad is not None:
-                    r.full_grad.zero_()
-                r.zero_grad()
+            r.reset()
 
     def reload_model_params(self) -> None:
         """Re-read the fp32 master shards from the parameters (done automatically after a
         chunk's ``load_state_dict``; stage 3 otherwise needs ``with opt.gathered_params():``)."""
         for r in self.regions:
-            shard = r.param_flat[r.shard_lo:r.shard_lo + r.shard_len]
-            r.master.copy_(shard)
-            if r.partitioned:
-                r.param_shard.copy_(shard)
+            r.reload_master()
 
     def comm_scalars(self) -> dict:
         """TensorBoard scalars of the last step's accounting."""
@@ -348,8 +250,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "scaler": self.scaler.state_dict(),
                 "skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
-                "shards": [{"master": r.master.clone(), "exp_avg": r.exp_avg.clone(),
-                            "exp_avg_sq": r.exp_avg_sq.clone()} for r in self.regions]}
+                "shards": [r.shard_state() for r in self.regions]}
 
     def load_counters(self, sd: dict) -> None:
         """Step count, loss scaler and skip counters of a :meth:`state_dict` (layout-free)."""
@@ -360,9 +261,7 @@ class ZeroOptimizer:
     def load_state_dict(self, sd: dict) -> None:
         self.load_counters(sd)
         for r, s in zip(self.regions, sd["shards"]):
-            r.master.copy_(s["master"])
-            r.exp_avg.copy_(s["exp_avg"])
-            r.exp_avg_sq.copy_(s["exp_avg_sq"])
+            r.load_shard_state(s)
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
 
@@ -370,8 +269,7 @@ class ZeroOptimizer:
         """Self-description of the flat regions, for checkpoints: per region the ordered
         ``[name, offset, numel]`` of its parameters (``name_of``: id(param) -> name), its
         ``padded`` length and this rank's shard ``[shard_lo, shard_lo + shard_len)``."""
-        return [{"params": [[name_of[id(p)], o, p.numel()] for p, o in zip(r.params, r.offsets)],
-                 "padded": r.padded, "shard_lo": r.shard_lo, "shard_len": r.shard_len} for r in self.regions]
+        return [r.describe(name_of) for r in self.regions]
 
     @torch.no_grad()
     def load_param_states(self, states_of) -> None:
@@ -382,14 +280,7 @@ class ZeroOptimizer:
         ``shard[a - lo : b - lo] = state.flat[a - o : b - o]`` with ``[a, b)`` the overlap of
         ``[o, o + numel)`` and ``[lo, lo + len)``.  Collective (the write-back all-gathers)."""
         for r in self.regions:
-            lo, hi = r.shard_lo, r.shard_lo + r.shard_len
-            for p, o in zip(r.params, r.offsets):
-                a, b = max(o, lo), min(o + p.numel(), hi)
-                if a >= b:
-                    continue
-                states = states_of(p)
-                for kind, buf in (("master", r.master), ("exp_avg", r.exp_avg), ("exp_avg_sq", r.exp_avg_sq)):
-                    buf[a - lo:b - lo].copy_(states[kind].reshape(-1)[a - o:b - o])
+            r.load_param_states(states_of)
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
 
@@ -401,15 +292,18 @@ class ZeroOptimizer:
             self.gatherer.remove()
 
 
-def _buckets(params, size: int):
-    """Split params (already in execution order) into runs of about ``size`` elements each."""
-    out, cur, n = [], [], 0
-    for p in params:
-        cur.append(p)
-        n += p.numel()
-        if n >= size:
-            out.append(cur)
-            cur, n = [], 0
-    if cur:
-        out.append(cur)
-    return out
+def _process_groups(topo, shared_params) -> tuple[dict, dict]:
+    """``(groups, shared_of)``: the :class:`Collectives` groups ``name -> (group, size, rank)``
+    ("dp", "mp", "world", then "tie0", "tie1", ... one per distinct group of ``shared_params``)
+    and ``{param: tie-group name}``."""
+    groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
+              "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
+              "world": (None, dist.get_world_size(), dist.get_rank())}
+    shared_of, ties = {}, 0
+    for p, g in shared_params:
+        name = next((n for n, (gg, _, _) in groups.items() if gg is g and n.startswith("tie")), None)
+        if name is None:
+            name, ties = f"tie{ties}", ties + 1
+            groups[name] = (g, dist.get_world_size(g), dist.get_rank(g))
+        shared_of[p] = name
+    return groups, shared_of

@@ -154,8 +154,20 @@ class Region:
         return g if g.dtype == torch.float32 else g.float()
 
     def zero_grad(self) -> None:
+        """Empty the gradient shard after a step (the round counters are already reset)."""
         self.grad_shard.zero_()
         self.fresh = True
+
+    def reset(self) -> None:
+        """Drop every gradient accumulated since the last flush or step: the parameters'
+        ``.grad``, the round counters, the full gradient and the shard."""
+        for p in self.params:
+            p.grad = None
+        if self.dirty or not self.fresh:
+            self.counts, self.complete, self.dirty = [0] * len(self.params), 0, False
+            if self.full_grad is not None:
+                self.full_grad.zero_()
+            self.zero_grad()
 
     # ---- parameters ------------------------------------------------------------------------
     def write_back(self, async_op: bool = True) -> Pending:
@@ -180,6 +192,43 @@ class Region:
         """Stage 3: free the full parameters (the views stay, their storage shrinks to 0 bytes)."""
         self.param_flat.untyped_storage().resize_(0)
         self.gathered = False
+
+    # ---- optimizer state -------------------------------------------------------------------
+    def reload_master(self) -> None:
+        """Re-read the fp32 master shard (and stage 3's parameter shard) from the parameters."""
+        shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
+        self.master.copy_(shard)
+        if self.partitioned:
+            self.param_shard.copy_(shard)
+
+    def shard_state(self) -> dict:
+        """Copies of this rank's ``master``, ``exp_avg``, ``exp_avg_sq`` shards (fp32)."""
+        return {"master": self.master.clone(), "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
+
+    def load_shard_state(self, state: dict) -> None:
+        """Inverse of :meth:`shard_state` (same layout); call :meth:`write_back` after."""
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, kind).copy_(state[kind])
+
+    def load_param_states(self, states_of) -> None:
+        """Per parameter: ``states_of(param)`` -> ``{"master", "exp_avg", "exp_avg_sq"}`` of its
+        (TP-local) shape; copies the part inside this shard ``[lo, lo + len)``:
+        ``shard[a - lo : b - lo] = state.flat[a - o : b - o]``, ``[a, b)`` the overlap with the
+        parameter's ``[o, o + numel)``.  Call :meth:`write_back` after."""
+        lo, hi = self.shard_lo, self.shard_lo + self.shard_len
+        for p, o in zip(self.params, self.offsets):
+            a, b = max(o, lo), min(o + p.numel(), hi)
+            if a >= b:
+                continue
+            states = states_of(p)
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(self, kind)[a - lo:b - lo].copy_(states[kind].reshape(-1)[a - o:b - o])
+
+    def describe(self, name_of: dict) -> dict:
+        """``{"params": [[name, offset, numel], ...], "padded", "shard_lo", "shard_len"}``
+        (``name_of``: id(param) -> name), for checkpoints."""
+        return {"params": [[name_of[id(p)], o, p.numel()] for p, o in zip(self.params, self.offsets)],
+                "padded": self.padded, "shard_lo": self.shard_lo, "shard_len": self.shard_len}
 
     # ---- accounting ------------------------------------------------------------------------
     def state_bytes(self) -> dict:

@@ -3,8 +3,8 @@
 import torch
 
 from megazero.model import GPTConfig, GPTModel
-from megazero.pipeline import (allreduce_shared_embedding_grads, build_model_chunks, forward_backward,
-                               gpt_forward_step, pipeline_tensor_shape, shared_embedding_params)
+from megazero.model.stages import gpt_forward_step, gpt_stages
+from megazero.pipeline import PipelineRunner, allreduce_shared_grads
 from megazero.parallel.topology import Topology
 
 from .toy import launch, rel_err
@@ -59,10 +59,11 @@ def _equivalence(rank, world):
             cfg = config(arch, tied, sp)
             mbs = batches(m, seed=i)
             ref_losses, ref_grads = reference(cfg, mbs)
-            chunks = build_model_chunks(cfg, topo)
-            shape = pipeline_tensor_shape(S, B, cfg.hidden_size, tp, sp)
-            losses = forward_backward(chunks, mbs, topo, gpt_forward_step, shape, torch.float32)
-            allreduce_shared_embedding_grads(chunks, topo)
+            stages = gpt_stages(cfg, topo, B)
+            chunks = stages.chunks
+            runner = PipelineRunner(topo, m, stages.activation_shape, stages.activation_dtype)
+            losses = runner.run(chunks, mbs, gpt_forward_step)
+            allreduce_shared_grads(stages.shared_params)
             errs = {"loss": rel_err(torch.stack(losses), ref_losses)} if topo.is_last_stage else {}
             for chunk in chunks:
                 for name, g in chunk.full_state_dict(grads=True).items():
@@ -86,14 +87,17 @@ def test_gpt_pipeline_equals_single_process():
 def _tied_adamw(rank, world):
     topo = Topology(world, rank, tp=2, pp=2, vp=2).create_groups()
     cfg = config("gpt2", True)
-    chunks = build_model_chunks(cfg, topo)
+    stages = gpt_stages(cfg, topo, B)
+    chunks, shared = stages.chunks, stages.shared_params
+    assert stages.activation_shape == (S, B, 16) and stages.activation_dtype == torch.float32
+    assert stages.aliases == {"output_layer.weight": WORD}
+    runner = PipelineRunner(topo, 2, stages.activation_shape, stages.activation_dtype)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2)
     for it in range(20):
         opt.zero_grad(set_to_none=True)
-        forward_backward(chunks, batches(2, seed=100 + it), topo, gpt_forward_step, (S, B, 16), torch.float32)
-        allreduce_shared_embedding_grads(chunks, topo)
+        runner.run(chunks, batches(2, seed=100 + it), gpt_forward_step)
+        allreduce_shared_grads(shared)
         opt.step()
-    shared = shared_embedding_params(chunks, topo)
     return shared[0][0].detach().clone() if shared else None
 
 

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from megazero.pipeline import (ScheduleTrace, allreduce_shared_embedding_grads, forward_backward, in_flight_bound,
+from megazero.pipeline import (ScheduleTrace, allreduce_shared_grads, forward_backward, in_flight_bound,
                                write_pipeline_trace)
 from megazero.testing import RankFailure
 from megazero.parallel.topology import Topology
 
-from .toy import launch, reference, rel_err, toy_batches, toy_chunks, toy_step
+from .toy import launch, reference, rel_err, toy_batches, toy_chunks, toy_shared, toy_step
 
 V, H, L, B, S = 16, 8, 24, 2, 4
 # (tp, pp, vp, m, tied): run on 8 ranks (the rest of the world is data-parallel replicas).
@@ -38,7 +38,7 @@ def _equivalence(rank, world, path):
         stats = {}
         scale = torch.tensor(4.0) if vp == 2 else 1.0
         losses = forward_backward(chunks, batches, topo, step, (S, B, H), torch.float32, grad_scale=scale, stats=stats)
-        allreduce_shared_embedding_grads(chunks, topo)
+        allreduce_shared_grads(toy_shared(chunks, topo))
         errs = {}
         if topo.is_last_stage:
             errs["loss"] = rel_err(torch.stack(losses), ref_losses)
@@ -64,7 +64,7 @@ def _equivalence(rank, world, path):
     trace = ScheduleTrace()
     forward_backward(toy_chunks(V, H, L, 4, 2, topo.pp_rank, True), toy_batches(8, B, S, V), topo, toy_step,
                      (S, B, H), torch.float32, trace=trace)
-    rep = write_pipeline_trace(path, trace, topo, print_fn=None)
+    rep = write_pipeline_trace(path, trace, print_fn=None)
     return out, rep
 
 
@@ -97,7 +97,7 @@ def _tied_training(rank, world):
         for it in range(20):
             opt.zero_grad(set_to_none=True)
             forward_backward(chunks, toy_batches(4, B, S, V, seed=it), topo, toy_step, (S, B, H), torch.float32)
-            allreduce_shared_embedding_grads(chunks, topo)
+            allreduce_shared_grads(toy_shared(chunks, topo))
             opt.step()
         w = chunks[0].shared_embedding_weight() if topo.is_first_stage else chunks[-1].shared_embedding_weight()
         out[opt_name] = None if w is None else w.detach().clone()

@@ -82,6 +82,15 @@ def toy_chunks(vocab, hidden, layers, pp, vp, pp_rank, tied, seed=0):
             for (a, b), (pre, post) in zip(chunk_layer_ranges(layers, pp, vp, pp_rank), chunk_roles(pp, vp, pp_rank))]
 
 
+def toy_shared(chunks, topo) -> list:
+    """The toy's tied-matrix rule: ``[(copy, topo.embedding_group)]`` on the first and last stage
+    (PP > 1, tied), else ``[]`` -- the ``shared_params`` of ``allreduce_shared_grads``."""
+    if topo.pp == 1 or not (topo.is_first_stage or topo.is_last_stage):
+        return []
+    owners = ([chunks[0]] if topo.is_first_stage else []) + ([chunks[-1]] if topo.is_last_stage else [])
+    return [(w, topo.embedding_group) for w in (c.shared_embedding_weight() for c in owners) if w is not None]
+
+
 def reference(vocab, hidden, layers, tied, batches, seed=0):
     """Single-process model: per-micro-batch losses and grads of the mean loss."""
     model = ToyChunk(vocab, hidden, 0, layers, True, True, tied, seed)

@@ -25,8 +25,8 @@ def args_for(stage, M, **kw):
     a = dict(zero_stage=stage, num_micro_batches=M, lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
              adam_eps=1e-8, clip_grad=0.0, params_dtype=torch.float32, accumulate_allreduce_grads_in_fp32=False,
              fp16=False, bf16=False, loss_scale=None, initial_loss_scale=2.0 ** 32, min_loss_scale=1.0,
-             loss_scale_window=1000, hysteresis=2, zero_reduce_bucket_size=2000, zero_allgather_bucket_size=2000,
-             zero_overlap_comm=True, zero_contiguous_gradients=True, zero_prefetch_bucket_size=5000,
+             loss_scale_window=1000, hysteresis=2, zero_reduce_bucket_size=2000,
+             zero_overlap_comm=True, zero_prefetch_bucket_size=5000,
              zero_param_persistence_threshold=0, zero_max_live_parameters=10 ** 9, zero_max_reuse_distance=0)
     a.update(kw)
     return SimpleNamespace(**a)
@@ -51,18 +51,21 @@ def gpt_reference(data, *, tied=True, clip=0.0, lr=1e-2, wd=0.1, betas=(0.9, 0.9
 
 
 def gpt_train(topo, data, args, tied=True):
-    """Train this rank's chunks with the pipeline runner and ZeroOptimizer.from_args."""
+    """Train this rank's GPT stages with a PipelineRunner and ZeroOptimizer, built from the flags
+    exactly as training does (OptimizerConfig.from_args, the stages' shared/TP-duplicated lists)."""
+    from megazero.config import OptimizerConfig
     from megazero.model import GPTConfig
-    from megazero.pipeline import build_model_chunks, forward_backward
-    from megazero.pipeline.chunks import gpt_forward_step
+    from megazero.model.stages import gpt_forward_step, gpt_stages
+    from megazero.pipeline import PipelineRunner
     from megazero.zero import ZeroOptimizer
     config = GPTConfig(**CFG, untie_embeddings_and_output_weights=not tied)
-    chunks = build_model_chunks(config, topo)
-    opt = ZeroOptimizer.from_args(args, chunks, topo)
-    shape = (CFG["seq_length"], MB, CFG["hidden_size"])
+    stages = gpt_stages(config, topo, MB)
+    chunks = stages.chunks
+    opt = ZeroOptimizer(chunks, topo, **OptimizerConfig.from_args(args).kwargs(), shared_params=stages.shared_params,
+                        tp_duplicated_params=stages.tp_duplicated_params)
+    runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape, stages.activation_dtype)
     for step in data:
-        forward_backward(chunks, step[topo.dp_rank], topo, gpt_forward_step, shape, args.params_dtype,
-                         grad_scale=opt.loss_scale)
+        runner.run(chunks, step[topo.dp_rank], gpt_forward_step, grad_scale=opt.loss_scale)
         opt.finish_grad_sync()
         ok, _ = opt.step()
         assert ok

@@ -1,5 +1,5 @@
 """ZeRO stages 0-3 composed with the real GPTModel under TP = 2, PP = 2 (1F1B and interleaved)
-and TP x PP x DP = 2 x 2 x 2, built through ZeroOptimizer.from_args exactly as training does;
+and TP x PP x DP = 2 x 2 x 2, built from the flags (OptimizerConfig) and gpt_stages exactly as training does;
 compared with single-process torch.optim.AdamW.  Adam eps 1e-6 and lr 1e-3 here: with eps 1e-8
 and lr 1e-2 Adam's normalization turns last-bit differences of near-zero gradient entries (TP/PP
 change the model's summation order, whatever the ZeRO stage; all stages err identically) into

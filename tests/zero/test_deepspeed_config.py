@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megazero.arguments import parse_args
+from megazero.config import OptimizerConfig
 from megazero.parallel.topology import Topology
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, find_units
 from megazero.zero.optimizer import _buckets
@@ -22,7 +23,7 @@ SEED = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_grad
 def _train(rank, world, args, data):
     topo = Topology(world, rank).create_groups()
     model = Net()
-    opt = ZeroOptimizer.from_args(args, [model], topo)
+    opt = ZeroOptimizer([model], topo, **OptimizerConfig.from_args(args).kwargs())
     for step in data:
         for x, y in step[topo.dp_rank]:
             model(x, y).backward(opt.loss_scale / args.num_micro_batches)
@@ -34,7 +35,7 @@ def _train(rank, world, args, data):
     sd = model.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(sd.values(), params))
     model2 = Net(seed=5)
-    opt2 = ZeroOptimizer.from_args(args, [model2], topo)
+    opt2 = ZeroOptimizer([model2], topo, **OptimizerConfig.from_args(args).kwargs())
     model2.load_state_dict(sd)
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(opt.state_dict()["shards"],
                                                                       opt2.state_dict()["shards"]))

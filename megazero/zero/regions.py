@@ -1,0 +1,146 @@
+"""The pure region builder: which parameters go into which flat :class:`~.region.Region`.
+
+Given the model chunks' trainable parameters (deduplicated, in registration order), the ZeRO
+stage and the tied-parameter groups, :func:`build_regions` returns the regions in reduction order
+and, for stage 3, the units to gather. It keeps no state and closes over no optimizer:
+
+* stages 0-2: per chunk, the chunk's own (untied) parameters in reverse registration order (the
+  order backward produces their gradients), cut into buckets of about ``reduce_bucket_size``
+  elements (:func:`buckets`); flushed after every micro-batch at stage 2, after the M-th at 0/1.
+* stage 3: per chunk, one partitioned region per unit (:func:`~.stage3.find_units`, in reverse
+  execution order), flushed every micro-batch; parameters registered in several modules or
+  smaller than ``param_persistence_threshold`` elements stay whole in one *persistent* region
+  per chunk, which behaves as stage 1 (flushed after M micro-batches).
+* then one region per tie group (``shared_params``), flushed only in ``finish_grad_sync`` after
+  its gradient was summed over the group.
+
+A parameter's gradient enters the global norm on this rank unless it is in ``uncounted``
+(TP-duplicated off TP rank 0, or a tied copy off its group's first rank).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .collectives import Collectives
+from .region import Region
+from .stage3 import find_units
+
+
+@dataclass(frozen=True)
+class RegionContext:
+    """What every region of one optimizer shares (the keywords of :class:`Region`)."""
+
+    comm: Collectives
+    stage: int
+    num_micro_batches: int
+    dp_size: int
+    dp_rank: int
+    grad_dtype: torch.dtype
+    uncounted: frozenset = frozenset()
+
+    def region(self, params, chunk: int, *, partitioned: bool = False, flush_every: int | None = None,
+               keep_full: bool | None = None, shared: str | None = None) -> Region:
+        """A region; by default flushed every micro-batch at stage 2, after M otherwise, keeping
+        its full gradient at stages 0/1."""
+        flush = flush_every if flush_every is not None else (1 if self.stage == 2 else self.num_micro_batches)
+        keep = keep_full if keep_full is not None else self.stage <= 1
+        return Region(params, [p not in self.uncounted for p in params], comm=self.comm, dp_size=self.dp_size,
+                      dp_rank=self.dp_rank, stage=self.stage, partitioned=partitioned, flush_every=flush,
+                      keep_full_grad=keep, grad_dtype=self.grad_dtype, shared=shared, chunk=chunk)
+
+
+@dataclass
+class Regions:
+    """:func:`build_regions`' result: ``regions`` in reduction order; ``units`` the stage-3
+    ``(module, region, chunk index, is the chunk itself)``; ``persistent_numel`` the elements
+    kept whole at stage 3."""
+
+    regions: list[Region] = field(default_factory=list)
+    units: list[tuple] = field(default_factory=list)
+    persistent_numel: int = 0
+
+
+def trainable_params(chunks) -> list[list[torch.nn.Parameter]]:
+    """Per chunk, its parameters with ``requires_grad``, each parameter once over all chunks."""
+    out, seen = [], set()
+    for chunk in chunks:
+        ps = [p for p in chunk.parameters() if p.requires_grad and p not in seen]
+        seen.update(ps)
+        out.append(ps)
+    return out
+
+
+def cast_params(trainable, params_dtype):
+    """Cast every trainable parameter to ``params_dtype`` (default: the first one's dtype);
+    returns (device of the first parameter, the dtype)."""
+    first = next((p for ps in trainable for p in ps), None)
+    if first is None:
+        raise ValueError("no trainable parameters")
+    dtype = params_dtype or first.dtype
+    for ps in trainable:
+        for p in ps:
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return first.device, dtype
+
+
+def buckets(params, size: int) -> list[list]:
+    """Split params (already in execution order) into runs of about ``size`` elements each: a run
+    closes as soon as it holds ``>= size`` elements."""
+    out, cur, n = [], [], 0
+    for p in params:
+        cur.append(p)
+        n += p.numel()
+        if n >= size:
+            out.append(cur)
+            cur, n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _stage3_chunk(ctx: RegionContext, out: Regions, c: int, chunk, own: list, threshold: int, chunk_units) -> None:
+    """Stage 3 regions of chunk ``c``: one per unit, then the persistent parameters."""
+    registrations = defaultdict(int)
+    for m in chunk.modules():
+        for p in m.parameters(recurse=False):
+            registrations[p] += 1
+    ownset = set(own)
+    persistent = [p for p in own if registrations[p] > 1 or p.numel() < threshold]
+    pset = set(persistent)
+    for module, ups in reversed(find_units(chunk, chunk_units)):
+        ups = [p for p in ups if p in ownset and p not in pset]
+        if ups:
+            r = ctx.region(ups, c, partitioned=True, flush_every=1, keep_full=False)
+            out.regions.append(r)
+            out.units.append((module, r, c, module is chunk))
+    if persistent:
+        out.persistent_numel += sum(p.numel() for p in persistent)
+        out.regions.append(ctx.region(list(reversed(persistent)), c, flush_every=ctx.num_micro_batches,
+                                      keep_full=True))
+
+
+def build_regions(ctx: RegionContext, chunks, trainable, shared_of: dict, *, reduce_bucket_size: int,
+                  param_persistence_threshold: int, units=None) -> Regions:
+    """The regions of ``chunks`` (see the module docstring).
+
+    ``trainable``: :func:`trainable_params` of the chunks; ``shared_of``: ``{param: tie-group
+    name}`` of the tied parameters (insertion order = ``shared_params`` order), each name a group
+    of ``ctx.comm``; ``units``: stage-3 unit modules per chunk (list of lists) or None (found).
+    """
+    out = Regions()
+    for c, (chunk, ps) in enumerate(zip(chunks, trainable)):
+        own = [p for p in ps if p not in shared_of]
+        if ctx.stage < 3:
+            out.regions += [ctx.region(b, c) for b in buckets(list(reversed(own)), reduce_bucket_size)]
+        else:
+            _stage3_chunk(ctx, out, c, chunk, own, param_persistence_threshold,
+                          units[c] if units is not None else None)
+    for name in dict.fromkeys(shared_of.values()):
+        ps = [p for p, n in shared_of.items() if n == name]
+        out.regions.append(ctx.region(ps, -1, flush_every=ctx.num_micro_batches, keep_full=True, shared=name))
+    return out
