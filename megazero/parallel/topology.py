@@ -107,10 +107,6 @@ class Topology:
         """Global rank of the previous pipeline stage (wrapping around)."""
         return self.rank_lists["pp"][(self.pp_rank - 1) % self.pp]
 
-    @property
-    def in_embedding_group(self) -> bool:
-        return bool(self.rank_lists["embedding"])
-
     def group(self, kind: str):
         """This rank's process group of ``kind`` (one of :data:`GROUP_KINDS`), or None."""
         if kind not in GROUP_KINDS:

@@ -65,18 +65,6 @@ class RNGTracker:
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
         self.set_states(states)
 
-    def to(self, device) -> "RNGTracker":
-        """Move the generators to ``device``, restarting them from their current seeds' states."""
-        device = torch.device(device)
-        if device == self.device:
-            return self
-        for name, gen in list(self.generators.items()):
-            new = torch.Generator(device=device)
-            new.manual_seed(gen.initial_seed())
-            self.generators[name] = new
-        self.device = device
-        return self
-
 
 def dropout(x: torch.Tensor, p: float, training: bool, tracker: RNGTracker | None, name: str) -> torch.Tensor:
     """Inverted dropout with the mask drawn from ``tracker``'s generator ``name``."""
