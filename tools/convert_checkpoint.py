@@ -37,9 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.checkpoint import files as ckpt  # noqa: E402
+from megazero.checkpoint import files, schema  # noqa: E402
 from megazero.checkpoint.reader import CheckpointReader  # noqa: E402
+from megazero.checkpoint.schema import CheckpointError  # noqa: E402
 from megazero.model import hf as hfmap  # noqa: E402
+from megazero.model.config import GPTConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,7 +103,7 @@ def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None
           dtype: str = "float32") -> str:
     from safetensors.torch import save_file
     reader = CheckpointReader(load, iteration)
-    config = reader.gpt_config()
+    config = GPTConfig.from_saved_args(reader.args)
     arch = arch or arch_of_config(config)
     cfg = dict(hf_config(config, arch), torch_dtype=dtype)
     kind = "master" if reader.has_optimizer else "weight"
@@ -130,18 +132,10 @@ def _hf_tensors(folder: str):
 
 
 def model_args(config, dtype: torch.dtype) -> dict:
-    """The saved ``args`` of an imported model: what :class:`CheckpointReader` and --load check."""
-    c = config
-    return {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-            "num_query_groups": c.num_query_groups, "kv_channels": c.kv_channels, "ffn_hidden_size": c.ffn_hidden_size,
-            "vocab_size": c.vocab_size, "padded_vocab_size": c.padded_vocab(1),
-            "make_vocab_size_divisible_by": c.make_vocab_size_divisible_by, "seq_length": c.seq_length,
-            "max_position_embeddings": c.max_position_embeddings, "position_embedding_type": c.position_embedding_type,
-            "rotary_base": c.rotary_base, "normalization": c.normalization, "norm_epsilon": c.norm_epsilon,
-            "swiglu": c.activation == "swiglu", "add_bias_linear": c.add_bias_linear,
-            "untie_embeddings_and_output_weights": c.untie_embeddings_and_output_weights,
-            "init_method_std": c.init_method_std, "seed": c.seed, "attention_dropout": c.attention_dropout,
-            "hidden_dropout": c.hidden_dropout, "sequence_parallel": False, "recompute_granularity": None,
+    """The saved ``args`` of an imported model: the model's (``config.to_args``, TP 1) and what
+    :class:`CheckpointReader` and ``--load`` read (no optimizer state, one rank)."""
+    return {**config.to_args(1), "attention_dropout": config.attention_dropout,
+            "hidden_dropout": config.hidden_dropout, "sequence_parallel": False, "recompute_granularity": None,
             "recompute_method": None, "recompute_num_layers": None,
             "params_dtype": str(dtype).replace("torch.", ""), "no_save_optim": True, "world_size": 1}
 
@@ -168,8 +162,9 @@ def pretrain_flags(config) -> str:
 
 def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     """Write ``save/iter_NNNNNNN/`` (see module doc); returns the :class:`GPTConfig`."""
-    from megazero.model import GPTModel
     from megazero.checkpoint.reshard import named_parameters
+    from megazero.model import GPTModel
+    from megazero.model.gpt import WORD_EMBEDDING
     with open(os.path.join(hf_dir, "config.json")) as fh:
         cfg = json.load(fh)
     arch = hfmap.arch_of(cfg)
@@ -199,17 +194,14 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{name}: HF tensor gives {tuple(local.shape)}, expected {tuple(p.shape)}")
         sd[name] = local.to(target).contiguous()
-        params.append([0, name, list(p.shape), None if split is None else split.to_json()])
+        params.append(schema.ParamEntry(0, name, tuple(p.shape), split))
     del ends, layer
-    layout = {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-              "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 1, "zero_stage": 0,
-              "params_dtype": dtype}
-    metadata = {"iteration": iteration, "consumed_samples": 0, "layout": layout,
-                "args": model_args(config, target), "imported_from": os.path.abspath(hf_dir),
-                "index": {"version": 1, "ranks": [{"rank": 0, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0,
-                                                   "params": params, "regions": []}]}}
-    state = {"model": [sd], "scheduler": None, "counters": {"skipped": 0, "nans": 0}}
-    ckpt.save_checkpoint(save, iteration, 0, state, metadata)
+    aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
+    index = schema.make_index([schema.index_entry(0, 0, 0, 0, params, regions=[])], aliases)
+    metadata = schema.metadata(iteration, 0, schema.layout(1, 1, 1, None, 1, 0, target), model_args(config, target),
+                               index, imported_from=os.path.abspath(hf_dir))
+    state = schema.rank_state([sd], scheduler=None, counters={"skipped": 0, "nans": 0})
+    files.save_checkpoint(save, iteration, 0, state, metadata)
     return config
 
 
@@ -243,9 +235,9 @@ def main(argv=None) -> int:
             print(f"wrote {args.output}/config.json and model.safetensors in {time.time() - t0:.2f} s")
         else:
             config = from_hf(args.hf, args.save, args.iteration, args.dtype)
-            print(f"wrote {ckpt.iteration_dir(args.save, args.iteration)} in {time.time() - t0:.2f} s; "
+            print(f"wrote {schema.iteration_dir(args.save, args.iteration)} in {time.time() - t0:.2f} s; "
                   f"train it with: --load {args.save} {pretrain_flags(config)}")
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1
     return 0

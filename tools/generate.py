@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megazero.model import GPTModel  # noqa: E402
+from megazero.model import GPTConfig, GPTModel  # noqa: E402
 from megazero.model.generation import generate  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,7 +99,7 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
     overrides = dict(sequence_parallel=False, recompute_granularity=None, attention_dropout=0.0, hidden_dropout=0.0)
     if dtype is not None:
         overrides["params_dtype"] = dtype
-    config = reader.gpt_config(**overrides)
+    config = GPTConfig.from_saved_args(reader.args, **overrides)
     model = GPTModel(config, topo, device=device).eval()
     wanted, loaded = {name for name, _ in model.named_parameters()}, set()
     for name, full in reader.iter_full_params(dtype=config.params_dtype):  # one full tensor at a time

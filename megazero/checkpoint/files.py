@@ -1,26 +1,14 @@
-"""Checkpoints: ``DIR/iter_0000100/`` folders, written atomically, read with ``weights_only=True``.
-
-Layout of one checkpoint::
-
-    DIR/latest_checkpointed_iteration.txt      "100" -- written last, atomically
-    DIR/iter_0000100/metadata.json             iteration, consumed samples, layout, arguments
-    DIR/iter_0000100/rank_00005.pt             everything rank 5 owns: model chunks (its TP/PP
-                                               slice; its DP shard under ZeRO-3), optimizer shard,
-                                               loss scaler, LR scheduler, RNG states
+"""Crash-safe checkpoint I/O: write a checkpoint folder atomically, read the pointer, the
+metadata and one rank's file. Names and keys come from :mod:`megazero.checkpoint.schema`.
 
 Saving is crash-safe: all ranks write into ``iter_0000100.tmp/`` (each file itself via a
-temporary name), meet at a barrier, and only then does rank 0 rename the folder and rewrite
-``latest_checkpointed_iteration.txt``. A rank killed mid-save leaves the previous checkpoint,
-and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by the next save.
+temporary name), meet at a barrier, and only then does rank 0 write ``metadata.json``, rename
+the folder and rewrite ``latest_checkpointed_iteration.txt``. A rank killed mid-save leaves the
+previous checkpoint, and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by
+the next save.
 
-``metadata.json`` also holds ``index``: every rank's description of its file (parameter names,
-TP split rules, local shapes, ZeRO regions and shards; see :mod:`megazero.checkpoint.reader`), so a
-checkpoint loads into any other layout (:mod:`megazero.checkpoint.reshard`) and converts without the run.
-
-Loading reads the pointer; in the same layout it loads this rank's file with
-``torch.load(weights_only=True)`` (bit-exact resume, RNG included), otherwise it reshards.  A
-missing, truncated or unsafe file is named in the error.  :func:`check_layout` remains for
-checkpoints without an index.
+Reading: rank files are loaded with ``torch.load(weights_only=True)`` (tensors and plain values
+only); a missing, truncated or unsafe file raises :class:`CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -32,39 +20,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-LATEST = "latest_checkpointed_iteration.txt"
-LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage", "params_dtype")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, or does not fit this run; the message names the file."""
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def rank_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.pt")
-
-
-def layout_of(args) -> dict:
-    return {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage,
-            "params_dtype": str(args.params_dtype).replace("torch.", "")}
-
-
-def jsonable_args(args) -> dict:
-    out = {}
-    for key, value in sorted(vars(args).items()):
-        if isinstance(value, torch.dtype):
-            value = str(value).replace("torch.", "")
-        if value is None or isinstance(value, (bool, int, float, str, list)):
-            out[key] = value
-    return out
+from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
+                                        rank_file)
 
 
 def _barrier():
@@ -95,7 +52,7 @@ def save_checkpoint(root: str, iteration: int, rank: int, state: dict, metadata:
     os.replace(path + ".partial", path)
     _barrier()
     if rank == 0:
-        _atomic_write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1, sort_keys=True))
+        _atomic_write_text(metadata_file(tmp), json.dumps(metadata, indent=1, sort_keys=True))
         if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap, then drop the old
             old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -104,14 +61,14 @@ def save_checkpoint(root: str, iteration: int, rank: int, state: dict, metadata:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, LATEST), f"{iteration}\n")
+        _atomic_write_text(latest_file(root), f"{iteration}\n")
     _barrier()
     return final
 
 
 def latest_iteration(root: str) -> int | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt``, or None if there is none."""
-    path = os.path.join(root, LATEST)
+    """The iteration named by the pointer file, or None if there is none."""
+    path = latest_file(root)
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
@@ -122,7 +79,7 @@ def latest_iteration(root: str) -> int | None:
 
 
 def read_metadata(root: str, iteration: int) -> dict:
-    path = os.path.join(iteration_dir(root, iteration), "metadata.json")
+    path = metadata_file(iteration_dir(root, iteration))
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the checkpoint folder is incomplete or was removed")
     try:
@@ -133,7 +90,8 @@ def read_metadata(root: str, iteration: int) -> dict:
 
 
 def check_layout(saved: dict, current: dict, path: str) -> None:
-    diffs = [f"{k} saved {saved.get(k)} vs now {current.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != current.get(k)]
+    """Refuse another layout (for checkpoints without an index, which cannot be resharded)."""
+    diffs = layout_diffs(saved, current)
     if diffs:
         raise CheckpointError(f"{path} was saved with a different parallel layout: " + "; ".join(diffs)
                               + " (loading into another layout is not supported yet)")

@@ -2,12 +2,12 @@
 
 Saving: every rank describes its file with :func:`rank_index` (its chunks' parameters with name,
 TP split rule and local shape; its ZeRO regions with their ordered ``(name, offset, numel)`` and
-this rank's shard); rank 0 gathers these small descriptions into ``metadata.json["index"]``.
-Nothing else is gathered: each rank still writes only what it owns.
+this rank's shard); rank 0 gathers these small descriptions into ``metadata.json["index"]``
+(:mod:`megazero.checkpoint.schema`). Nothing else is gathered: each rank writes only what it owns.
 
 Loading (:func:`load_resharded`), for every parameter this rank holds in the new layout:
 
-* weights: ``local = module.full_to_local(full)`` with ``full`` from
+* weights: ``local = to_local(module, name, full)`` with ``full`` from
   :meth:`CheckpointReader.full_param` (padding rows of the new vocabulary split are zero);
 * optimizer (unless ``--no-load-optim``): the full fp32 master, ``exp_avg`` and ``exp_avg_sq``
   are sliced the same way, and the part of that slice inside this rank's new ZeRO shard is
@@ -22,9 +22,12 @@ touched tensors are read) and keeps one full parameter in memory at a time.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megazero.checkpoint import files as ckpt
+from megazero.checkpoint import schema
 from megazero.checkpoint.reader import CheckpointReader
+from megazero.checkpoint.schema import CheckpointError
+from megazero.model.config import SHAPE_KEYS
 from megazero.tensor_parallel.spec import named_tp_params, to_local
 
 OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -41,37 +44,34 @@ def named_parameters(chunks):
 
 
 def rank_index(topo, chunks, optimizer) -> dict:
-    """This rank's entry of ``metadata.json["index"]`` (see :mod:`megazero.checkpoint.reader`)."""
+    """This rank's entry of the index (:func:`schema.index_entry`)."""
     params, name_of = [], {}
     for c, name, _, _, p, split in named_parameters(chunks):
-        params.append([c, name, list(p.shape), None if split is None else split.to_json()])
+        params.append(schema.ParamEntry(c, name, tuple(p.shape), split))
         name_of[id(p)] = name
-    import torch.distributed as dist
-    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "tp_rank": topo.tp_rank,
-            "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "params": params,
-            "regions": optimizer.layout(name_of)}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, optimizer.layout(name_of))
 
 
 def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
     """True when the fast path applies: same layout and this rank's file has the same contents."""
-    saved = reader.layout
-    if any(saved.get(k) != layout.get(k) for k in ckpt.LAYOUT_KEYS):
+    if schema.layout_diffs(reader.layout, layout):
         return False
     return reader.rank_index(index["rank"]) == index
 
 
-def check_model_shape(reader: CheckpointReader, args) -> None:
-    """Refuse a checkpoint of another model (the parallel layout may differ, the shape may not)."""
-    keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-            "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization", "swiglu", "add_bias_linear",
-            "untie_embeddings_and_output_weights")
-    saved = reader.args
+def check_model_shape(reader: CheckpointReader, model_config) -> None:
+    """Refuse a checkpoint of another model (the parallel layout may differ, the shape may not):
+    the saved arguments must agree with ``model_config.to_args()`` on :data:`SHAPE_KEYS` present
+    in both (``max_position_embeddings`` only with learned positions)."""
+    keys = SHAPE_KEYS
+    saved, now = reader.args, model_config.to_args()
     if saved.get("position_embedding_type") == "rope":  # no weight depends on it
         keys = tuple(k for k in keys if k != "max_position_embeddings")
-    diffs = [f"{k} saved {saved.get(k)} vs now {getattr(args, k, None)}" for k in keys
-             if k in saved and saved.get(k) != getattr(args, k, None)]
+    diffs = [f"{k} saved {saved.get(k)} vs now {now.get(k)}" for k in keys
+             if k in saved and saved.get(k) != now.get(k)]
     if diffs:
-        raise ckpt.CheckpointError(f"{reader.directory} holds another model: " + "; ".join(diffs))
+        raise CheckpointError(f"{reader.directory} holds another model: " + "; ".join(diffs))
 
 
 @torch.no_grad()
@@ -84,9 +84,9 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
     info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(chunks)}
     for name, _, _ in info.values():
         try:
-            reader._resolve(name)
+            reader.resolve(name)
         except KeyError as e:
-            raise ckpt.CheckpointError(str(e.args[0])) from None
+            raise CheckpointError(str(e.args[0])) from None
 
     def local(p, kind):
         name, module, p_name = info[id(p)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.checkpoint import files as ckpt
+from megazero.checkpoint import schema
 from megazero.arguments import parse_args
 from megazero.checkpoint.reader import KINDS, CheckpointReader
 from megazero.testing import run_distributed
@@ -25,10 +25,10 @@ def _run(rank, world_size, argv, save_at_load=None, train=True):
     from megazero.training import setup
     args = parse_args(argv, world_size=world_size)
     trainer = setup(args)
-    if save_at_load:
-        keep, args.save = args.save, save_at_load
+    if save_at_load:  # the same trainer, saving to another folder
+        trainer.args = args.replace(save=save_at_load)
         trainer.save()
-        args.save = keep
+        trainer.args = args
     if train:
         trainer.train(ExitSignal.install((signal.SIGUSR1,)))
         return trainer.history
@@ -43,7 +43,7 @@ def train_reference(tmp_path, name, world, flags):
     """6 iterations in one layout, saving at 3; the pointer is set back to 3 for loading."""
     root = tmp_path / name
     hist = run(world, flags + ["--save", str(root), "--save-interval", "3"])
-    (root / ckpt.LATEST).write_text("3\n")
+    (root / schema.LATEST).write_text("3\n")
     return root, [l for _, l in hist]
 
 
@@ -121,15 +121,15 @@ def test_reader_errors_name_the_file(tmp_path):
     shutil.copytree(src, bad)
     f = bad / "iter_0000003" / "rank_00001.pt"
     f.unlink()
-    with pytest.raises(ckpt.CheckpointError, match="rank_00001.pt is missing"):
+    with pytest.raises(schema.CheckpointError, match="rank_00001.pt is missing"):
         CheckpointReader(str(bad)).full_param(name)
     f.write_bytes((src / "iter_0000003" / "rank_00001.pt").read_bytes()[:5000])
-    with pytest.raises(ckpt.CheckpointError, match="rank_00001.pt cannot be read"):
+    with pytest.raises(schema.CheckpointError, match="rank_00001.pt cannot be read"):
         CheckpointReader(str(bad)).full_param(name)
     import argparse
     torch.save({"obj": argparse.Namespace(a=1)}, f)  # a pickle that would build an arbitrary object
-    with pytest.raises(ckpt.CheckpointError, match="rank_00001.pt cannot be read"):
+    with pytest.raises(schema.CheckpointError, match="rank_00001.pt cannot be read"):
         CheckpointReader(str(bad)).full_param(name, "master")
     (bad / "iter_0000003" / "metadata.json").unlink()
-    with pytest.raises(ckpt.CheckpointError, match="metadata.json is missing"):
+    with pytest.raises(schema.CheckpointError, match="metadata.json is missing"):
         CheckpointReader(str(bad))

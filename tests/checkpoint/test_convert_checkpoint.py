@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megazero.checkpoint.reader import CheckpointReader
-from tests.test_reshard import BASE, layout_flags, run
+from tests.checkpoint.test_reshard import BASE, layout_flags, run
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"]
 
@@ -26,8 +26,8 @@ def tool():
 
 
 def megazero_logits(reader, full, ids):
-    from megazero.model import GPTModel
-    model = GPTModel(reader.gpt_config(), None).eval()
+    from megazero.model import GPTConfig, GPTModel
+    model = GPTModel(GPTConfig.from_saved_args(reader.args), None).eval()
     model.load_full_state_dict(full, strict=False)
     with torch.no_grad():
         return model(ids)[..., :reader.args["vocab_size"]]

@@ -1,0 +1,189 @@
+"""The on-disk checkpoint format: the one place that names its paths, keys and version.
+
+Format version 2 (:data:`VERSION`; version 1, written before ``aliases`` existed, still reads)::
+
+    DIR/latest_checkpointed_iteration.txt      "100\\n" -- the pointer, written last, atomically
+    DIR/iter_0000100/metadata.json             {"iteration", "consumed_samples", "layout", "args", "index"}
+    DIR/iter_0000100/rank_00005.pt             what rank 5 owns (torch.save; tensors and plain values)
+
+A rank file (:func:`rank_state`) holds ``model`` (one ``state_dict()`` per VP chunk: this rank's
+TP slices, global names, ``params_dtype``; under ZeRO-3 the gathered TP slice), ``scheduler``
+(LR-scheduler state, ``None`` in an imported checkpoint), ``counters`` (``{"skipped", "nans"}``),
+optionally ``rng`` (:mod:`megazero.checkpoint.rng`) and ``optimizer`` (the ZeRO optimizer's
+``state_dict()``: ``iteration``, ``scaler``, skip counters, and ``shards``: per ZeRO region
+``{master, exp_avg, exp_avg_sq}``, fp32, this DP rank's shard).
+
+``metadata.json``: ``layout`` (:data:`LAYOUT_KEYS`), ``args`` (the saving run's arguments, JSON
+values only, with the model's under Megatron names), and ``index``::
+
+    {"version": 2, "aliases": {copy name: canonical name},
+     "ranks": [{"rank": r, "tp_rank": t, "pp_rank": p, "dp_rank": d,
+                "params":  [[chunk, name, local_shape, split], ...],
+                "regions": [{"params": [[name, offset, numel], ...], "padded": P,
+                             "shard_lo": lo, "shard_len": n}, ...]}, ...]}
+
+``split`` is :meth:`TPSplit.to_json` (``[dim, partition_sizes, real_rows]``) or ``null`` for a
+parameter replicated over TP (:mod:`megazero.tensor_parallel.spec`). A ZeRO region is a flat
+buffer of the listed parameters; ``name`` occupies ``[offset, offset + numel)``, the buffer is
+padded to ``P`` and DP rank ``d`` holds ``[lo, lo + n)`` of it. ``aliases`` names parameters
+that are copies of another (tied embeddings): a reader gives the canonical tensor for a copy no
+rank saved. A version-1 index has no ``aliases``; every version-1 checkpoint is a GPT, whose
+tie (:data:`FORMAT1_ALIASES`) applies unless its args say ``untie_embeddings_and_output_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megazero.tensor_parallel.spec import TPSplit
+
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+LATEST = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+
+# rank-file keys
+MODEL, RNG, SCHEDULER, COUNTERS, OPTIMIZER = "model", "rng", "scheduler", "counters", "optimizer"
+SHARDS = "shards"  # inside OPTIMIZER: per ZeRO region {kind: this DP rank's flat fp32 shard}
+COUNTER_KEYS = ("skipped", "nans")
+# metadata keys
+ITERATION, CONSUMED_SAMPLES, LAYOUT, ARGS, INDEX = "iteration", "consumed_samples", "layout", "args", "index"
+LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage", "params_dtype")
+FORMAT1_ALIASES = {"output_layer.weight": "embedding.word_embeddings.weight"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not fit this run; the message names the file."""
+
+
+# ---- paths -----------------------------------------------------------------------------------
+def latest_file(root: str) -> str:
+    return os.path.join(root, LATEST)
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.pt")
+
+
+def metadata_file(directory: str) -> str:
+    return os.path.join(directory, METADATA)
+
+
+# ---- rank files ------------------------------------------------------------------------------
+def rank_state(model: list[dict], scheduler: dict | None, counters: dict, rng: dict | None = None,
+               optimizer: dict | None = None) -> dict:
+    """One rank file's contents; ``rng`` / ``optimizer`` left out when None (not saved)."""
+    state = {MODEL: model}
+    if rng is not None:
+        state[RNG] = rng
+    state[SCHEDULER] = scheduler
+    state[COUNTERS] = {k: int(counters[k]) for k in COUNTER_KEYS}
+    if optimizer is not None:
+        state[OPTIMIZER] = optimizer
+    return state
+
+
+# ---- metadata --------------------------------------------------------------------------------
+def _dtype_name(value) -> str:
+    return str(value).replace("torch.", "")
+
+
+def layout(world_size: int, tp: int, pp: int, vp: int | None, dp: int, zero_stage: int, params_dtype) -> dict:
+    """The parallel layout record (``vp`` None when not interleaved; dtype by name)."""
+    return {"world_size": world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vp, "data_parallel_size": dp, "zero_stage": zero_stage,
+            "params_dtype": _dtype_name(params_dtype)}
+
+
+def layout_of(args) -> dict:
+    """:func:`layout` from Megatron-named arguments."""
+    return layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.virtual_pipeline_model_parallel_size, args.data_parallel_size, args.zero_stage,
+                  args.params_dtype)
+
+
+def layout_diffs(saved: dict, current: dict) -> list[str]:
+    """``"key saved X vs now Y"`` for every layout key that differs."""
+    return [f"{k} saved {saved.get(k)} vs now {current.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != current.get(k)]
+
+
+def jsonable_args(args) -> dict:
+    """The JSON-representable arguments of a namespace, sorted (dtypes by name; private names and
+    other values dropped)."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, torch.dtype):
+            value = _dtype_name(value)
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
+
+
+def metadata(iteration: int, consumed_samples: int, layout: dict, args: dict, index: dict, **extra) -> dict:
+    """``metadata.json``'s contents; ``extra`` keys (e.g. ``imported_from``) are kept as given."""
+    return {ITERATION: int(iteration), CONSUMED_SAMPLES: int(consumed_samples), LAYOUT: dict(layout),
+            ARGS: dict(args), INDEX: index, **extra}
+
+
+# ---- index -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter of a rank file: ``file[MODEL][chunk][name]``, of TP-local ``shape``."""
+
+    chunk: int
+    name: str
+    shape: tuple[int, ...]
+    split: TPSplit | None
+
+    def to_json(self) -> list:
+        return [int(self.chunk), self.name, [int(s) for s in self.shape],
+                None if self.split is None else self.split.to_json()]
+
+    @classmethod
+    def from_json(cls, obj) -> "ParamEntry":
+        chunk, name, shape, split = obj
+        return cls(int(chunk), name, tuple(int(s) for s in shape), TPSplit.from_json(split))
+
+
+def index_entry(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, params: list[ParamEntry],
+                regions: list[dict]) -> dict:
+    """One rank's entry of the index (JSON values; equal to itself after a JSON round trip)."""
+    return {"rank": int(rank), "tp_rank": int(tp_rank), "pp_rank": int(pp_rank), "dp_rank": int(dp_rank),
+            "params": [p.to_json() for p in params], "regions": regions}
+
+
+def make_index(ranks: list[dict], aliases: dict[str, str]) -> dict:
+    """The index of this format version from every rank's entry (rank order)."""
+    return {"version": VERSION, "aliases": dict(sorted(aliases.items())), "ranks": list(ranks)}
+
+
+def read_index(meta: dict, where: str) -> tuple[list[dict], dict[str, str]]:
+    """``(ranks, aliases)`` of ``meta``'s index, any readable version; ``where`` names the file."""
+    if INDEX not in meta:
+        raise CheckpointError(f"{where} has no index (saved by a megazero without resharding support): "
+                              "load it in its own layout")
+    index = meta[INDEX]
+    version = index.get("version")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{where}: checkpoint format version {version} is not one this megazero reads "
+                              f"({READABLE_VERSIONS})")
+    if version == 1:
+        tied = not meta.get(ARGS, {}).get("untie_embeddings_and_output_weights", False)
+        return index["ranks"], dict(FORMAT1_ALIASES) if tied else {}
+    return index["ranks"], dict(index["aliases"])
+
+
+def entry_params(entry: dict) -> list[ParamEntry]:
+    """The :class:`ParamEntry` list of one rank's index entry."""
+    return [ParamEntry.from_json(p) for p in entry["params"]]
