@@ -192,3 +192,56 @@ def test_residual_mlp_pp2_vp2_zero3_dp2_equals_one_process():
             assert rel(p, ref_params[name]) <= TOL, f"rank {rank} {name}: {rel(p, ref_params[name]):.2e}"
             seen.add(name)
     assert seen == set(ref_params)  # every parameter, both copies of the tied matrix, checked
+
+
+# ---- 2. the same model through the training loop (setup / Trainer.train) -------------------------
+ARGV = ["--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", "4", "--seq-length", str(S),
+        "--micro-batch-size", str(MB), "--global-batch-size", str(MB * M * 2), "--train-iters", str(STEPS),
+        "--mock-data", "--vocab-size", str(V), "--lr", str(LR), "--lr-decay-style", "constant",
+        "--weight-decay", str(WD), "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]),
+        "--adam-eps", str(EPS), "--clip-grad", "0.05", "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", str(L // 4),
+        "--zero-stage", "3", "--zero-param-persistence-threshold", "0", "--zero-max-reuse-distance", "0",
+        "--log-interval", "1", "--eval-iters", "0", "--distributed-backend", "gloo", "--seed", "3"]
+
+
+def _trainer(rank, world, argv):
+    import signal
+
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    from megazero.training.signals import ExitSignal
+
+    def provider(model_config, topo, micro_batch_size):
+        return mlp_stages(model_config.vocab_size, model_config.hidden_size, model_config.num_layers,
+                          model_config.seq_length, micro_batch_size, topo)
+
+    fed = []  # the micro-batches the first virtual stage consumed, in order
+
+    def forward_step(chunk, micro_batch, input_tensor):
+        if input_tensor is None:
+            fed.append({k: micro_batch[k].detach().clone() for k in ("tokens", "labels", "loss_mask")})
+        return mlp_forward_step(chunk, micro_batch, input_tensor)
+
+    trainer = setup(parse_args(argv, world_size=world), model_provider=provider, forward_step_func=forward_step)
+    trainer.train(ExitSignal.install((signal.SIGUSR1,)))
+    trainer.tb.close()
+    assert trainer.optimizer.stage == 3 and trainer.topo.vp == 2
+    with trainer.optimizer.gathered_params():
+        params = {k: p.detach().clone() for c in trainer.chunks for k, p in c.global_params().items()}
+    return trainer.topo.dp_rank, trainer.topo.pp_rank, trainer.history, fed, params
+
+
+def test_residual_mlp_through_the_trainer_equals_one_process():
+    results = run_distributed(_trainer, 4, ARGV, timeout_s=120, collective_timeout_s=30)
+    fed = {dp: f for dp, pp, _, f, _ in results if pp == 0}
+    assert sorted(fed) == [0, 1] and all(len(f) == STEPS * M for f in fed.values())
+    data = [[fed[dp][it * M:(it + 1) * M] for dp in (0, 1)] for it in range(STEPS)]
+    ref_losses, ref_params = reference(data, clip=0.05)
+    history = results[-1][2]  # the last rank logs the DP-mean loss of every step
+    assert [i for i, _ in history] == list(range(1, STEPS + 1))
+    for (_, got), want in zip(history, ref_losses):
+        assert abs(got - want.mean().item()) <= TOL * abs(want.mean().item())
+    for rank, (*_, params) in enumerate(results):
+        for name, p in params.items():
+            assert rel(p, ref_params[name]) <= TOL, f"rank {rank} {name}: {rel(p, ref_params[name]):.2e}"
