@@ -70,63 +70,17 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
+from megazero.model.config import GPTConfig
+
 GiB = 2 ** 30
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The GPT's shape; ``from_args`` reads Megatron-style flags (megazero.arguments)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int
-    seq_length: int
-    ffn_hidden_size: int | None = None
-    num_query_groups: int | None = None
-    kv_channels: int | None = None
-    max_position_embeddings: int | None = None
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    layernorm: bool = True  # False: RMSNorm (no bias)
-    learned_positions: bool = True
-    tied_embeddings: bool = True
-    make_vocab_size_divisible_by: int = 128
-
-    def __post_init__(self):
-        h, a = self.hidden_size, self.num_attention_heads
-        if self.ffn_hidden_size is None:  # megazero.model.GPTConfig's defaults
-            object.__setattr__(self, "ffn_hidden_size", (int(8 * h / 3 / 64) * 64 or 64) if self.swiglu else 4 * h)
-        if self.num_query_groups is None:
-            object.__setattr__(self, "num_query_groups", a)
-        if self.kv_channels is None:
-            object.__setattr__(self, "kv_channels", h // a)
-        if self.max_position_embeddings is None:
-            object.__setattr__(self, "max_position_embeddings", self.seq_length)
-
-    @classmethod
-    def from_args(cls, args) -> "Shape":
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-                   kv_channels=args.kv_channels, max_position_embeddings=args.max_position_embeddings,
-                   swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
-                   layernorm=args.normalization == "LayerNorm",
-                   learned_positions=args.position_embedding_type == "learned_absolute",
-                   tied_embeddings=not args.untie_embeddings_and_output_weights,
-                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-
-    def padded_vocab(self, tp: int) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-
 # ---- parameters ------------------------------------------------------------------------------
-def norm_params(shape: Shape) -> int:
+def norm_params(shape: GPTConfig) -> int:
     return 2 * shape.hidden_size if shape.layernorm else shape.hidden_size
 
 
-def layer_params(shape: Shape, tp: int = 1) -> int:
+def layer_params(shape: GPTConfig, tp: int = 1) -> int:
     """One transformer layer's parameters on one TP rank (norms and row-parallel biases whole)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
@@ -136,18 +90,18 @@ def layer_params(shape: Shape, tp: int = 1) -> int:
     return weights + biases + 2 * norm_params(shape)
 
 
-def embedding_params(shape: Shape, tp: int = 1) -> int:
+def embedding_params(shape: GPTConfig, tp: int = 1) -> int:
     positions = shape.max_position_embeddings * shape.hidden_size if shape.learned_positions else 0
     return shape.padded_vocab(tp) // tp * shape.hidden_size + positions
 
 
-def head_params(shape: Shape, tp: int = 1, pp: int = 1) -> int:
+def head_params(shape: GPTConfig, tp: int = 1, pp: int = 1) -> int:
     """Final norm, plus the output layer when untied or on a last stage that is not the first."""
     output = shape.padded_vocab(tp) // tp * shape.hidden_size if (not shape.tied_embeddings or pp > 1) else 0
     return norm_params(shape) + output
 
 
-def stage_params(shape: Shape, tp: int, pp: int, rank: int) -> int:
+def stage_params(shape: GPTConfig, tp: int, pp: int, rank: int) -> int:
     """Φ of pipeline rank ``rank``: L/PP layers, the embedding on the first, the head on the last."""
     phi = shape.num_layers // pp * layer_params(shape, tp)
     if rank == 0:
@@ -157,7 +111,7 @@ def stage_params(shape: Shape, tp: int, pp: int, rank: int) -> int:
     return phi
 
 
-def total_params(shape: Shape) -> int:
+def total_params(shape: GPTConfig) -> int:
     """The whole model (TP = PP = 1), padded vocabulary included."""
     return stage_params(shape, 1, 1, 0)
 
@@ -238,7 +192,7 @@ def _rs(x, n):
     return (n - 1) / n * x
 
 
-def estimate(shape: Shape, tp: int, pp: int, dp: int, zero: int, *, micro_batch_size: int, micro_batches: int,
+def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_batch_size: int, micro_batches: int,
              vp: int = 1, param_bytes: int = 2, grad_bytes: int = 2, sequence_parallel: bool = False,
              recompute: str | None = None, recompute_method: str | None = None,
              recompute_num_layers: int | None = None, gpu_memory_gb: float = 80.0) -> Layout:
@@ -283,7 +237,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(shape: Shape, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
+def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
          tp: int | None = None, pp: int | None = None, zero: int | None = None, max_tp: int = 8,
          layers_per_virtual_stage: int | None = None, **kw) -> list[Layout]:
     """Every valid layout, sorted by per-GPU memory (then communication)."""
@@ -356,7 +310,10 @@ def main(argv=None) -> int:
         parser.error("needs " + ", ".join("--" + f.replace("_", "-") for f in missing))
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are mutually exclusive")
-    shape = Shape.from_args(args)
+    try:
+        shape = GPTConfig.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     param_bytes = 2 if (args.fp16 or args.bf16) else 4
     grad_bytes = 4 if (args.bf16 or param_bytes == 4 or args.accumulate_allreduce_grads_in_fp32) else 2
     layouts = plan(shape, args.world_size, micro_batch_size=args.micro_batch_size,

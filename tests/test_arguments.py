@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.arguments import padded_vocab_size, parse_args
+from megazero.arguments import parse_args
+from megazero.model.config import pad_vocab_size
+from megazero.training.build import build_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -36,13 +38,24 @@ def test_derived_values():
                "--num-layers-per-virtual-pipeline-stage", "1", "--vocab-size", "1000", "--bf16"])
     assert a.data_parallel_size == 2 and a.num_micro_batches == 4
     assert a.virtual_pipeline_model_parallel_size == 2
-    assert a.padded_vocab_size == 1024 and padded_vocab_size(50257, 128, 8) == 51200
+    model, _ = build_configs(a)  # the model's derived sizes live in the frozen GPTConfig
+    assert model.padded_vocab(2) == 1024 and pad_vocab_size(50257, 128, 8) == 51200
     assert a.params_dtype == torch.bfloat16 and a.accumulate_allreduce_grads_in_fp32
-    assert a.ffn_hidden_size == 256 and a.kv_channels == 16 and a.num_query_groups == 4
-    assert a.max_position_embeddings == 32 and a.lr_decay_iters is None
-    assert parse(["--swiglu", "--hidden-size", "384"]).ffn_hidden_size == 1024
+    assert model.ffn_hidden_size == 256 and model.kv_channels == 16 and model.num_query_groups == 4
+    assert model.max_position_embeddings == 32 and a.lr_decay_iters is None
+    assert build_configs(parse(["--swiglu", "--hidden-size", "384", "--vocab-size", "10"]))[0].ffn_hidden_size == 1024
     assert parse(["--fp16"]).params_dtype == torch.float16
     assert parse([]).params_dtype == torch.float32
+
+
+def test_arguments_are_frozen_after_validation():
+    a = parse(["--vocab-size", "1000"])
+    with pytest.raises(AttributeError, match="frozen"):
+        a.vocab_size = 5
+    b = a.replace(save="/tmp/x")
+    assert b.save == "/tmp/x" and a.save is None
+    with pytest.raises(AttributeError, match="frozen"):
+        b.save = None
 
 
 @pytest.mark.parametrize("extra,world,needles", [

@@ -54,6 +54,7 @@ def test_peak_table_picks_the_specific_name():
 def test_flops_formula_matches_6n_plus_attention_for_the_default_model():
     """The default model's FLOPs per token ~ 6 N (+ attention), so MFU is on the usual scale."""
     from megazero.arguments import parse_args
+    from megazero.training.build import build_configs
     from megazero.training.logger import model_flops_per_iteration
     mfu = _load("gpu_mfu")
 
@@ -61,11 +62,12 @@ def test_flops_formula_matches_6n_plus_attention_for_the_default_model():
         arch, tiny, micro_batch_size, num_micro_batches, warmup, steps = "llama", False, 1, 1, 0, 1
         zero_stage, dtype, recompute = 1, "bf16", None
     args = parse_args(mfu.megatron_argv(A), world_size=1)
-    per_token = model_flops_per_iteration(args) / args.seq_length
-    h, s, L, f = 2048, 2048, 24, args.ffn_hidden_size
-    n = L * (4 * h * h + 3 * h * f) + 2 * args.padded_vocab_size * h  # untied: input + output matrices
+    config, _ = build_configs(args)
+    per_token = model_flops_per_iteration(config, args.global_batch_size) / args.seq_length
+    h, s, L, f, V = 2048, 2048, 24, config.ffn_hidden_size, config.padded_vocab(1)
+    n = L * (4 * h * h + 3 * h * f) + 2 * V * h  # untied: input + output matrices
     attention = 6 * 2 * L * s * h  # QK^T and AV, fwd + bwd, causal counted in full
-    expected = 6 * (n - args.padded_vocab_size * h) + attention  # the input embedding is a lookup
+    expected = 6 * (n - V * h) + attention  # the input embedding is a lookup
     assert per_token == pytest.approx(expected, rel=1e-6)
     assert 1.25e9 < n < 1.45e9
 

@@ -1,8 +1,8 @@
 """Megatron's log-line format (parsers depend on it) and the model-FLOPs formula."""
 
 import re
-from types import SimpleNamespace
 
+from megazero.model import GPTConfig
 from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
 
 EXAMPLE = (" iteration      100/    1000 | consumed samples:         3200 | elapsed time per iteration (ms): 512.3 |"
@@ -25,9 +25,9 @@ def test_validation_line():
 
 
 def test_flops_formula_gpt3_style():
-    a = SimpleNamespace(global_batch_size=1, seq_length=2048, num_layers=24, hidden_size=2048, num_attention_heads=16,
-                        num_query_groups=16, kv_channels=128, ffn_hidden_size=8192, swiglu=False,
-                        padded_vocab_size=51200, vocab_size=50257)
-    f = model_flops_per_iteration(a)
+    c = GPTConfig(seq_length=2048, num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=16,
+                  kv_channels=128, ffn_hidden_size=8192, vocab_size=50257)
+    assert c.padded_vocab(1) == 50304
+    f = model_flops_per_iteration(c, batch_size=1)
     # 6 * N * tokens (N ~ 1.3B incl. embedding) plus attention, per token ~ 8.5-9.5 GFLOP
     assert 8.0e9 * 2048 < f < 1.0e10 * 2048

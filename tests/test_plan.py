@@ -12,7 +12,7 @@ from megazero import planner as plan
 from megazero.model import GPTConfig, GPTModel
 from megazero.parallel.topology import Topology
 
-GPT2_SMALL = plan.Shape(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257, seq_length=1024)
+GPT2_SMALL = GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257, seq_length=1024)
 
 
 def _plain_gpt2_small_count() -> int:
@@ -45,14 +45,8 @@ VARIANTS = [
 ]
 
 
-def _shape(kw) -> plan.Shape:
-    c = GPTConfig(**SMALL, **kw)
-    return plan.Shape(num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                      vocab_size=c.vocab_size, seq_length=c.seq_length, ffn_hidden_size=kw.get("ffn_hidden_size"),
-                      num_query_groups=kw.get("num_query_groups"), max_position_embeddings=c.max_position_embeddings,
-                      swiglu=c.activation == "swiglu", add_bias_linear=c.add_bias_linear,
-                      layernorm=c.normalization == "LayerNorm", learned_positions=c.position_embedding_type != "rope",
-                      tied_embeddings=c.tied_embeddings, make_vocab_size_divisible_by=4)
+def _shape(kw) -> GPTConfig:
+    return GPTConfig(**SMALL, **kw)
 
 
 def _numel(model) -> int:
@@ -117,7 +111,7 @@ def test_model_states_match_zero_optimizer(distributed, stage):
 
 
 def test_invalid_layouts_excluded():
-    shape = plan.Shape(num_layers=6, hidden_size=768, num_attention_heads=12, vocab_size=1000, seq_length=128)
+    shape = GPTConfig(num_layers=6, hidden_size=768, num_attention_heads=12, vocab_size=1000, seq_length=128)
     layouts = plan.plan(shape, 16, micro_batch_size=1)
     assert layouts
     for x in layouts:
@@ -151,7 +145,7 @@ def test_activation_formulas():
 
 
 def test_pipeline_keeps_pp_micro_batches_on_the_first_stage():
-    shape = plan.Shape(num_layers=16, hidden_size=1024, num_attention_heads=16, vocab_size=1024, seq_length=512)
+    shape = GPTConfig(num_layers=16, hidden_size=1024, num_attention_heads=16, vocab_size=1024, seq_length=512)
     kw = dict(micro_batch_size=1, micro_batches=16, sequence_parallel=False)
     per_layer = plan.layer_activation_bytes(512, 1, 1024, 16, 1)
     emb_mask = 512 * 1024
@@ -186,7 +180,7 @@ def test_cli_table_and_json(capsys):
 
 def test_gpt3_1p3b_zero_beats_replication():
     """A 1.3B GPT on 8 GPUs: ZeRO-3 model states are 1/8 of stage 0's; everything at DP 8 fits 80 GiB."""
-    shape = plan.Shape(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048)
+    shape = GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257, seq_length=2048)
     assert math.isclose(plan.total_params(shape) / 1e9, 1.3, rel_tol=0.05)
     rows = {x.zero: x for x in plan.plan(shape, 8, micro_batch_size=1, tp=1, pp=1, param_bytes=2, grad_bytes=2,
                                          recompute="full")}

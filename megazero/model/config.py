@@ -112,6 +112,19 @@ class GPTConfig:
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
+    @property
+    def swiglu(self) -> bool:
+        return self.activation == "swiglu"
+
+    @property
+    def layernorm(self) -> bool:
+        """LayerNorm (weight and bias) rather than RMSNorm (weight only)."""
+        return self.normalization == "LayerNorm"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.position_embedding_type == "learned_absolute"
+
     def padded_vocab(self, tp: int) -> int:
         """The padded vocabulary for ``tp`` ranks (``padded_vocab_size`` if given)."""
         if self.padded_vocab_size is not None:
@@ -147,7 +160,8 @@ class GPTConfig:
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             attention_dropout=getattr(args, "attention_dropout", 0.1),
             hidden_dropout=getattr(args, "hidden_dropout", 0.1),
-            init_method_std=args.init_method_std, seed=args.seed, params_dtype=args.params_dtype,
+            init_method_std=args.init_method_std, seed=args.seed,
+            params_dtype=getattr(args, "params_dtype", None) or torch.float32,
             sequence_parallel=getattr(args, "sequence_parallel", False),
             recompute_granularity=getattr(args, "recompute_granularity", None),
             recompute_method=getattr(args, "recompute_method", None),

@@ -1,5 +1,6 @@
 """The training loop and what it is built from: build order, LR schedule, logger, signals."""
 
-from .loop import Trainer, pretrain, setup
+from .build import setup
+from .loop import Trainer, pretrain
 
 __all__ = ["Trainer", "pretrain", "setup"]

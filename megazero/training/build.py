@@ -1,124 +1,91 @@
-"""What the training loop builds: datasets and micro-batches, model chunks and optimizer, RNG state.
+"""The build order of a run, stated once (:func:`setup`), with the reason for each step.
 
-Kept apart from :mod:`megazero.training` so the loop reads in one sitting.
+1. **Configs** (no process group yet): the tokenizer gives the vocabulary size, which completes
+   the frozen model config (:class:`GPTConfig` pads the vocabulary for TP and checks every size
+   against TP), and the optimizer config. Bad flags and unreadable tokenizer files fail here,
+   before any rank waits on another.
+2. **Launch**: join torch.distributed (torchrun, SLURM or one process); the device follows the
+   backend.
+3. **Topology**: the TP x PP x DP process groups, created once and passed to everything below.
+4. **Seeds**: ``seed + 100 * pp_rank`` for torch (per-stage dropout streams as Megatron),
+   ``seed`` for numpy. Parameter values never depend on them (each weight is drawn from its own
+   name-seeded generator), so every layout starts from the same model.
+5. **Datasets**: collective (rank 0 builds the index caches, the others wait), so after the groups.
+6. **Model**: ``model_provider(model_config, topo, micro_batch_size)`` returns this rank's
+   :class:`ModelStages` (its pipeline chunks and the plain objects the generic packages need),
+   moved to the device.
+7. **Optimizer**: ZeRO flattens the parameters into its regions (and under stage 3 shards them),
+   so it comes after the model is on its device and before anything holds parameter references.
+8. **Pipeline runner**: the schedule plan, the p2p communicator and the activation shape, built
+   once for the run.
+9. **LR schedule and logger**; then **load** ``--load`` last, because loading writes into the
+   optimizer's master shards and the schedule's step count.
 """
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from megazero.arguments import set_padded_vocab_size
+from megazero.config import OptimizerConfig
+from megazero.model.config import GPTConfig
+from megazero.parallel.launch import init_distributed
 from megazero.parallel.topology import Topology
+from megazero.training.data import build_datasets, vocab_size_of
 
 
-class MockGPTDataset:
-    """Uniformly random tokens, reproducible per sample index (``--mock-data``)."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
-        self.n, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        rng = np.random.default_rng([self.seed, int(i)])
-        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+def build_configs(args) -> tuple[GPTConfig, OptimizerConfig]:
+    """Step 1: the frozen model and optimizer configs (before any process group)."""
+    model_config = GPTConfig.from_args(args, vocab_size=vocab_size_of(args))
+    model_config.check_tp(args.tensor_model_parallel_size)
+    return model_config, OptimizerConfig.from_args(args)
 
 
-def build_datasets(args, topo: Topology):
-    """(train, valid) datasets; also records the tokenizer's padded vocab size on ``args``."""
-    train_samples = args.train_iters * args.global_batch_size
-    evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
-    valid_samples = max(evals * args.eval_iters * args.global_batch_size, 1)
-    if args.mock_data or not args.data_path:
-        if args.vocab_size is None:
-            raise ValueError("--mock-data needs --vocab-size")
-        set_padded_vocab_size(args, args.vocab_size)
-        return (MockGPTDataset(train_samples, args.seq_length, args.vocab_size, args.seed),
-                MockGPTDataset(valid_samples, args.seq_length, args.vocab_size, args.seed + 1))
-    from megazero.data import build_tokenizer, build_train_valid_test_datasets
-    tokenizer = build_tokenizer(args)
-    set_padded_vocab_size(args, tokenizer.vocab_size)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, (train_samples, valid_samples, 0),
-        cache_dir=args.data_cache_path, is_builder=rank == 0,
-        barrier=dist.barrier if dist.is_initialized() else None)
-    if train is None:
-        raise ValueError(f"--split {args.split!r} leaves no training documents in --data-path {args.data_path}")
-    return train, valid
+def default_model_provider(model_config: GPTConfig, topo: Topology, micro_batch_size: int):
+    """The GPT: layers split over PP x VP in Megatron's interleaved order."""
+    from megazero.model.stages import gpt_stages
+    return gpt_stages(model_config, topo, micro_batch_size)
 
 
-def micro_batch_iterator(dataset, consumed_samples: int, args, topo: Topology, device, cycle: bool = False):
-    """Yield this DP rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on."""
-    from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
-    position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(args.micro_batch_size, -1)
-    start = consumed_samples
-    while True:
-        sampler = PretrainingSampler(len(dataset), start, args.micro_batch_size, topo.dp_rank, topo.dp)
-        for indices in sampler:
-            tokens, labels = (t.to(device) for t in get_tokens_and_labels(collate([dataset[i] for i in indices])))
-            yield {"tokens": tokens, "labels": labels, "position_ids": position_ids,
-                   "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
-        if not cycle:
-            raise RuntimeError(f"ran out of training samples ({len(dataset)})")
-        start = 0
-
-
-def gpt_model_provider(args, topo: Topology) -> list:
-    """This rank's VP GPT chunks (Megatron's interleaved layer assignment)."""
-    from megazero.model import GPTConfig
-    from megazero.pipeline import build_model_chunks
-    return build_model_chunks(GPTConfig.from_args(args), topo)
-
-
-def build_model_and_optimizer(args, topo: Topology, device, model_provider=None):
-    """Model chunks for this rank (VP of them, from ``model_provider(args, topo)``) and the ZeRO
-    optimizer over them."""
+def setup(args, model_provider=None, forward_step_func=None):
+    """Build everything one rank trains with, in the order of the module docstring; returns the
+    :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded."""
+    from megazero.model.stages import gpt_forward_step
+    from megazero.pipeline import PipelineRunner
+    from megazero.training.logger import TensorBoardLogger
+    from megazero.training.loop import Trainer
+    from megazero.training.lr_schedule import LRScheduler
     from megazero.zero import ZeroOptimizer
-    chunks = (model_provider or gpt_model_provider)(args, topo)
-    chunks = [c.to(device) for c in chunks]
-    optimizer = ZeroOptimizer.from_args(args, chunks, topo)
-    return chunks, optimizer
 
+    model_config, optimizer_config = build_configs(args)                          # 1
+    launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)  # 2
+    if launch.world_size != args.world_size:
+        raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
+                           f"{args.world_size}")
+    topo = Topology(args.world_size, launch.rank, tp=args.tensor_model_parallel_size,                 # 3
+                    pp=args.pipeline_model_parallel_size,
+                    vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
+    torch.manual_seed(args.seed + 100 * topo.pp_rank)                                                # 4
+    np.random.seed(args.seed)
+    datasets = build_datasets(args, model_config.vocab_size)                                         # 5
+    stages = (model_provider or default_model_provider)(model_config, topo, args.micro_batch_size)   # 6
+    for chunk in stages.chunks:
+        chunk.to(device)
+    optimizer = ZeroOptimizer(stages.chunks, topo, **optimizer_config.kwargs(),                      # 7
+                              shared_params=stages.shared_params,
+                              tp_duplicated_params=stages.tp_duplicated_params)
+    runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape,                   # 8
+                            stages.activation_dtype)
+    trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9
+                      runner=runner, forward_step=forward_step_func or gpt_forward_step, datasets=datasets,
+                      scheduler=LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                                                args.lr_decay_style),
+                      tb=TensorBoardLogger(args.tensorboard_dir, enabled=launch.rank == args.world_size - 1))
+    if launch.rank == 0:
+        print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
+              f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
+    trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(args.as_dict().items())))
+    if args.load:
+        trainer.load()
+    return trainer
 
-def run_schedule(args, chunks, micro_batches, topo: Topology, grad_scale=1.0, forward_only: bool = False,
-                 trace=None, forward_step_func=None):
-    """One pass of the selected pipeline schedule over ``micro_batches``; the last stage's losses.
-
-    ``forward_step_func(chunk, micro_batch, input_tensor)`` defaults to the GPT one (mean loss
-    over the micro-batch's unmasked tokens on the last stage)."""
-    from megazero.pipeline import forward_backward
-    from megazero.pipeline.chunks import gpt_forward_step
-    from megazero.pipeline.p2p import pipeline_tensor_shape
-    shape = pipeline_tensor_shape(args.seq_length, args.micro_batch_size, args.hidden_size,
-                                  args.tensor_model_parallel_size, args.sequence_parallel)
-    return forward_backward(chunks, micro_batches, topo, forward_step_func or gpt_forward_step, shape,
-                            args.params_dtype,
-                            grad_scale=grad_scale, forward_only=forward_only, trace=trace)
-
-
-def rng_state(chunks) -> dict:
-    """Every RNG this rank draws from, as tensors and plain values (``weights_only``-loadable)."""
-    np_state = np.random.get_state()
-    state = {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
-             "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
-             "torch": torch.get_rng_state(),
-             "trackers": [c.rng.state_dict() for c in chunks]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict, chunks) -> None:
-    random.setstate((3, tuple(state["python"]), state["python_pos"]))
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    for chunk, tracker_state in zip(chunks, state["trackers"]):
-        chunk.rng.load_state_dict(tracker_state)

@@ -24,14 +24,13 @@ from __future__ import annotations
 import math
 
 
-def model_flops_per_iteration(args, batch_size: int | None = None) -> float:
-    B = batch_size if batch_size is not None else args.global_batch_size
-    s, L, h = args.seq_length, args.num_layers, args.hidden_size
-    a, g = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
-    d = args.kv_channels or h // a
-    f = args.ffn_hidden_size or 4 * h
-    m = 1.5 if args.swiglu else 1.0
-    V = args.padded_vocab_size or args.vocab_size or 0
+def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
+    """The formula above for a :class:`~megazero.model.GPTConfig` and a global batch of
+    ``batch_size`` sequences (``V`` padded for ``tp`` ranks)."""
+    B, s, L, h = batch_size, config.seq_length, config.num_layers, config.hidden_size
+    a, g, d, f = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.ffn_hidden_size
+    m = 1.5 if config.activation == "swiglu" else 1.0
+    V = config.padded_vocab(tp)
     return 12.0 * B * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + (f / h) * m + V / (2.0 * L * h))
 
 

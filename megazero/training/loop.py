@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import files as ckpt
-from megazero.parallel.launch import init_distributed
-from megazero.training.logger import TensorBoardLogger, iteration_line, model_flops_per_iteration, validation_line
-from megazero.training.lr_schedule import LRScheduler
 from megazero.parallel.topology import Topology
+from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
+from megazero.training.build import setup
+from megazero.training.data import micro_batch_iterator
+from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
 from megazero.training.signals import ExitSignal
-from megazero.training.build import (build_datasets, build_model_and_optimizer, micro_batch_iterator,
-                                  restore_rng, rng_state, run_schedule)
 
 
 def _print_rank(rank: int, target: int, text: str) -> None:
@@ -38,32 +37,38 @@ def _print_rank(rank: int, target: int, text: str) -> None:
 class Trainer:
     """Owns everything one rank needs to train; built by :func:`pretrain`."""
 
-    def __init__(self, args, topo: Topology, device: torch.device, model_provider=None, forward_step_func=None):
+    def __init__(self, args, topo: Topology, device: torch.device, *, model_config, stages, optimizer, runner,
+                 forward_step, datasets, scheduler, tb):
         self.args, self.topo, self.device = args, topo, device
-        self.forward_step_func = forward_step_func
+        self.model_config, self.stages, self.chunks = model_config, stages, stages.chunks
+        self.optimizer, self.runner, self.forward_step = optimizer, runner, forward_step
+        self.train_ds, self.valid_ds = datasets
+        self.scheduler, self.tb = scheduler, tb
         self.rank, self.last_rank = dist.get_rank(), dist.get_world_size() - 1
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nans = 0, 0
         self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
-        self.train_ds, self.valid_ds = build_datasets(args, topo)
-        self.chunks, self.optimizer = build_model_and_optimizer(args, topo, device, model_provider)
-        self.scheduler = LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                     args.lr_decay_style)
-        self.tb = TensorBoardLogger(args.tensorboard_dir, enabled=self.rank == self.last_rank)
-        self.flops = model_flops_per_iteration(args)
+        self.first_iteration = 0  # where this process started (set again by train())
+        self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
+
+    def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
+        return micro_batch_iterator(dataset, consumed_samples, seq_length=self.args.seq_length,
+                                    micro_batch_size=self.args.micro_batch_size, topo=self.topo,
+                                    device=self.device, cycle=cycle)
 
     # ---- one iteration -------------------------------------------------------------
     def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
-        from megazero.pipeline.trace import trace_for_step, write_pipeline_trace
+        """Schedule (forward/backward of every micro-batch), gradient sync, optimizer step;
+        with ``--pipeline-trace`` the third step of this process is traced and written."""
         args = self.args
         steps_done = self.iteration - self.first_iteration
-        trace = trace_for_step(args, steps_done, at=min(2, args.train_iters - self.first_iteration - 1))
+        traced = args.pipeline_trace and steps_done == min(2, args.train_iters - self.first_iteration - 1)
+        trace = ScheduleTrace() if traced else None
         self.optimizer.zero_grad()
-        losses = run_schedule(args, self.chunks, micro_batches, self.topo, grad_scale=self.optimizer.loss_scale,
-                              forward_only=False, trace=trace, forward_step_func=self.forward_step_func)
+        losses = self.runner.run(self.chunks, micro_batches, self.forward_step, grad_scale=self.optimizer.loss_scale,
+                                 forward_only=False, trace=trace)
         if trace is not None:
-            write_pipeline_trace(args.pipeline_trace, trace, self.topo,
-                                 print_fn=lambda s: _print_rank(self.rank, 0, s))
+            write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: _print_rank(self.rank, 0, s))
         self.optimizer.finish_grad_sync()
         ok, grad_norm = self.optimizer.step(self.scheduler.get_lr())
         return losses, ok, grad_norm
@@ -93,13 +98,12 @@ class Trainer:
         for c in self.chunks:
             c.eval()
         start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
-        it = micro_batch_iterator(self.valid_ds, start % len(self.valid_ds), args, self.topo, self.device, cycle=True)
+        it = self._micro_batches(self.valid_ds, start % len(self.valid_ds), cycle=True)
         totals = []
         with torch.no_grad():
             for _ in range(args.eval_iters):
                 mbs = [next(it) for _ in range(args.num_micro_batches)]
-                losses = run_schedule(args, self.chunks, mbs, self.topo, grad_scale=1.0, forward_only=True,
-                                      forward_step_func=self.forward_step_func)
+                losses = self.runner.run(self.chunks, mbs, self.forward_step, grad_scale=1.0, forward_only=True)
                 t = self._local_loss(losses)
                 if t is not None:
                     totals.append(t)
@@ -111,95 +115,49 @@ class Trainer:
     def save(self) -> None:
         """Every rank writes its own file; rank 0 adds the gathered per-rank index (names, TP split
         rules, ZeRO regions) to ``metadata.json`` so any layout can load it (docs/checkpoints.md)."""
-        from megazero.checkpoint.reshard import rank_index
+        from megazero.checkpoint import schema
+        from megazero.checkpoint.api import save_run
         args = self.args
-        with self.optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
-            model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in self.chunks]
-        state = {"model": model, **({} if args.no_save_rng else {"rng": rng_state(self.chunks)}),
-                 "scheduler": self.scheduler.state_dict(), "counters": {"skipped": self.skipped, "nans": self.nans}}
-        if not args.no_save_optim:
-            state["optimizer"] = self.optimizer.state_dict()
-        index = rank_index(self.topo, self.chunks, self.optimizer)
-        indices = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(index, indices, dst=0)
-        metadata = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                    "layout": ckpt.layout_of(args), "args": ckpt.jsonable_args(args),
-                    "index": {"version": 1, "ranks": indices}}
         t0 = time.time()
-        path = ckpt.save_checkpoint(args.save, self.iteration, self.rank, state, metadata)
+        path = save_run(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                        scheduler_state=self.scheduler.state_dict(),
+                        counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
+                        consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
+                        saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
+                        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
         _print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
 
     def load(self) -> None:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
-        Otherwise reshard (megazero.checkpoint.reshard): each parameter's full tensor from the files that
-        hold it, sliced for this rank's TP/PP/ZeRO shard; the RNG states are not restored."""
-        from megazero.checkpoint.reader import CheckpointReader
-        from megazero.checkpoint.reshard import check_model_shape, load_resharded, rank_index, same_layout
+        Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
+        this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
+        from megazero.checkpoint import schema
+        from megazero.checkpoint.api import load_run
         args = self.args
-        iteration = ckpt.latest_iteration(args.load)
-        if iteration is None:
-            _print_rank(self.rank, 0, f"no {ckpt.LATEST} in {args.load}: starting from scratch")
+        loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                          layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
+                          load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
+        if loaded is None:
             return
-        meta = ckpt.read_metadata(args.load, iteration)
-        directory = ckpt.iteration_dir(args.load, iteration)
-        if "index" not in meta:  # saved before resharding existed: same layout only
-            ckpt.check_layout(meta["layout"], ckpt.layout_of(args), directory)
-            fast = True
-        else:
-            reader = CheckpointReader(args.load, iteration)
-            check_model_shape(reader, args)
-            fast = same_layout(reader, ckpt.layout_of(args), rank_index(self.topo, self.chunks, self.optimizer))
-            flags = torch.tensor([int(fast)], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank takes the same path
-            fast = bool(flags.item())
-        t0 = time.time()
-        self.load_path = "exact" if fast else "resharded"
-        if fast:
-            state = ckpt.load_rank_state(args.load, iteration, self.rank)
-            if len(state["model"]) != len(self.chunks):
-                raise ckpt.CheckpointError(f"{ckpt.rank_file(directory, self.rank)} holds {len(state['model'])} "
-                                           f"model chunks, this run has {len(self.chunks)}")
-            with self.optimizer.gathered_params():
-                for chunk, sd in zip(self.chunks, state["model"]):
-                    chunk.load_state_dict(sd)
-                self.optimizer.reload_model_params()
-            if not args.no_load_optim and "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            load_resharded(reader, self.chunks, self.optimizer, load_optim=not args.no_load_optim)
-            state = reader.rank_state(0)  # scheduler and counters: the same on every rank
-            _print_rank(self.rank, 0, f"resharded {directory} (saved as {meta['layout']}) into "
-                                      f"{ckpt.layout_of(args)} in {time.time() - t0:.2f} s; note: RNG states "
-                                      "are not restored across layouts, this run's --seed streams are used")
-        if args.finetune:
-            _print_rank(self.rank, 0, f"loaded weights from {args.load} iteration {iteration} (finetune: iteration 0)")
-            return
-        if state.get("scheduler") is not None:  # None: imported weights (tools/convert_checkpoint.py)
-            self.scheduler.load_state_dict(state["scheduler"])
-        if fast and not args.no_load_rng and "rng" in state:
-            restore_rng(state["rng"], self.chunks)
-        self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
-        self.skipped, self.nans = state["counters"]["skipped"], state["counters"]["nans"]
-        _print_rank(self.rank, 0, f"loaded checkpoint from {args.load} at iteration {iteration}")
+        self.load_path = loaded.path
+        if loaded.scheduler is not None:  # None: finetune, or imported weights (tools/convert_checkpoint.py)
+            self.scheduler.load_state_dict(loaded.scheduler)
+        if loaded.counters is not None:
+            self.skipped, self.nans = loaded.counters["skipped"], loaded.counters["nans"]
+        self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
 
     # ---- the loop --------------------------------------------------------------------
-    def train(self, exit_signal: ExitSignal) -> None:
-        args, topo = self.args, self.topo
+    def train(self, exit_signal: ExitSignal | None) -> None:
+        """Iterate to ``--train-iters``; ``exit_signal`` (``--exit-signal-handler``) makes every rank
+        save and return at the end of the iteration in which any rank received the signal."""
+        args = self.args
         self.first_iteration = self.iteration
-        it = micro_batch_iterator(self.train_ds, self.consumed_samples, args, topo, self.device)
+        it = self._micro_batches(self.train_ds, self.consumed_samples)
         log_losses, log_start, log_iters = [], time.time(), 0
-        stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         while self.iteration < args.train_iters:
-            mbs = [next(it) for _ in range(args.num_micro_batches)]
-            losses, ok, grad_norm = self.train_step(mbs)
-            self.scheduler.step()
-            self.iteration += 1
-            self.consumed_samples += args.global_batch_size
-            if not ok:
-                self.skipped += 1
-                if grad_norm is not None and not math.isfinite(grad_norm):
-                    self.nans += 1
+            losses, ok, grad_norm = self.train_step([next(it) for _ in range(args.num_micro_batches)])
+            self._count_step(ok, grad_norm)
             loss = self._local_loss(losses)
             if loss is not None and ok:
                 log_losses.append(loss)
@@ -208,28 +166,46 @@ class Trainer:
                 self._log(self._dp_mean(log_losses), (time.time() - log_start) / log_iters, grad_norm)
                 log_losses, log_start, log_iters = [], time.time(), 0
             if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
-                val = self.evaluate()
-                if self.rank == self.last_rank and val is not None:
-                    print(validation_line(self.iteration, val), flush=True)
-                    self.tb.scalars({"lm loss validation": val, "lm loss validation ppl": math.exp(min(20.0, val))},
-                                    self.iteration, self.consumed_samples)
-            stop_flag.fill_(1 if exit_signal.received else 0)
-            dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-            signalled = bool(stop_flag.item())
-            saved = False
-            if args.save and (signalled or (args.save_interval and self.iteration % args.save_interval == 0)):
-                self.save()
-                saved = True
-            if signalled:
-                _print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
-                return
-            if args.exit_interval and self.iteration % args.exit_interval == 0:
-                if args.save and not saved:
-                    self.save()
-                _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+                self._log_validation(self.evaluate())
+            if self._save_or_exit(exit_signal):
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
+
+    def _count_step(self, ok: bool, grad_norm) -> None:
+        """After a step: LR schedule, iteration and sample counters, skip/NaN counters."""
+        self.scheduler.step()
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        if not ok:
+            self.skipped += 1
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                self.nans += 1
+
+    def _log_validation(self, val: float | None) -> None:
+        if self.rank == self.last_rank and val is not None:
+            print(validation_line(self.iteration, val), flush=True)
+            self.tb.scalars({"lm loss validation": val, "lm loss validation ppl": math.exp(min(20.0, val))},
+                            self.iteration, self.consumed_samples)
+
+    def _save_or_exit(self, exit_signal: ExitSignal | None) -> bool:
+        """Save when due (``--save-interval``, a signal, ``--exit-interval``); True to stop now.
+        With a signal handler, one all-reduce (MAX) of the flag makes every rank agree."""
+        args = self.args
+        signalled = False
+        if exit_signal is not None:
+            flag = torch.tensor([1 if exit_signal.received else 0], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signalled = bool(flag.item())
+        exiting = signalled or bool(args.exit_interval and self.iteration % args.exit_interval == 0)
+        due = bool(args.save_interval and self.iteration % args.save_interval == 0)
+        if args.save and (due or exiting):
+            self.save()
+        if signalled:
+            _print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
+        elif exiting:
+            _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+        return exiting
 
     def _log(self, lm: float | None, seconds_per_iter: float, grad_norm) -> None:
         args = self.args
@@ -248,7 +224,7 @@ class Trainer:
         scalars = {"lm loss": lm, "learning-rate": lr, "loss-scale": scale, "grad-norm": grad_norm,
                    "batch-size": args.global_batch_size, "iteration-time": seconds_per_iter, "throughput": tflops}
         scalars.update(memory_scalars(self.device))
-        scalars.update(self.optimizer.comm_scalars() if hasattr(self.optimizer, "comm_scalars") else {})
+        scalars.update(self.optimizer.comm_scalars())
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
 
 
@@ -264,27 +240,6 @@ def memory_scalars(device: torch.device) -> dict:
         return {}
 
 
-def setup(args, model_provider=None, forward_step_func=None) -> Trainer:
-    """Start (or join) torch.distributed, build the topology and the trainer, load ``--load``."""
-    launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    if launch.world_size != args.world_size:
-        raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
-                           f"{args.world_size}")
-    topo = Topology(args.world_size, launch.rank, tp=args.tensor_model_parallel_size,
-                    pp=args.pipeline_model_parallel_size,
-                    vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
-    torch.manual_seed(args.seed + 100 * topo.pp_rank)
-    np.random.seed(args.seed)
-    trainer = Trainer(args, topo, device, model_provider, forward_step_func)
-    if launch.rank == 0:
-        print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
-              f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
-    trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(vars(args).items())))
-    if args.load:
-        trainer.load()
-    return trainer
-
-
 def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
 
@@ -292,7 +247,7 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     file. The process group is torn down on the way out, so peers see a closed connection
     instead of waiting for the collective timeout.
     """
-    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1))
+    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1)) if args.exit_signal_handler else None
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
         trainer = setup(args, model_provider, forward_step_func)
