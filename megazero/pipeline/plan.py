@@ -190,19 +190,9 @@ def format_plan(plan: list[Action]) -> str:
     return " ".join(str(a) for a in plan)
 
 
-def simulate(plans: list[list[Action]], t_f: float = 1.0, t_b: float = 1.0) -> dict:
-    """Run every rank's plan in lock-free lockstep; raise ``RuntimeError`` on any defect.
-
-    Semantics: a rank's COMM posts all its ops at once and blocks until each has completed; an
-    op completes when its counterpart (same channel ``src -> dst``, same position in that
-    channel's order) has been posted -- rendezvous, the strictest model.  The counterpart must
-    carry the same key ``(what, micro-batch, stage)``, or the data would be mismatched.  A forward
-    takes ``t_f``, a backward ``t_b``; communication is free.
-
-    Returns ``{"makespan", "busy": [...], "idle": [...], "max_in_flight": [...]}``.
-    """
-    pp = len(plans)
-    # Each channel's send / recv sequence, and each op's position in it.
+def _channel_positions(plans: list[list[Action]]) -> dict[tuple, int]:
+    """``{(rank, action index, op index): position of the op in its channel's order}``, after
+    checking that every channel ``src -> dst`` receives exactly the keys it sends, in order."""
     chan: dict[tuple, dict[str, list]] = {}
     pos: dict[tuple, int] = {}
     for r, plan in enumerate(plans):
@@ -215,6 +205,22 @@ def simulate(plans: list[list[Action]], t_f: float = 1.0, t_b: float = 1.0) -> d
     for ch, seqs in chan.items():
         if seqs["send"] != seqs["recv"]:
             raise RuntimeError(f"channel r{ch[0]}->r{ch[1]}: sends {seqs['send']} != receives {seqs['recv']}")
+    return pos
+
+
+def simulate(plans: list[list[Action]], t_f: float = 1.0, t_b: float = 1.0) -> dict:
+    """Run every rank's plan in lock-free lockstep; raise ``RuntimeError`` on any defect.
+
+    Semantics: a rank's COMM posts all its ops at once and blocks until each has completed; an
+    op completes when its counterpart (same channel ``src -> dst``, same position in that
+    channel's order) has been posted -- rendezvous, the strictest model.  The counterpart must
+    carry the same key ``(what, micro-batch, stage)``, or the data would be mismatched.  A forward
+    takes ``t_f``, a backward ``t_b``; communication is free.
+
+    Returns ``{"makespan", "busy": [...], "idle": [...], "max_in_flight": [...]}``.
+    """
+    pp = len(plans)
+    pos = _channel_positions(plans)
     posted: dict[tuple, float] = {}  # (channel, op, position) -> post time
     pc, clock = [0] * pp, [0.0] * pp
     busy, live, peak = [0.0] * pp, [0] * pp, [0] * pp
