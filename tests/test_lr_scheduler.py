@@ -1,8 +1,9 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from megazero.training.lr_schedule import LRScheduler
+from megazero.training.lr_schedule import DeepSpeedLRScheduler, LRScheduler, build_lr_scheduler
 
 
 def test_warmup_then_linear_and_cosine_decay():
@@ -25,3 +26,74 @@ def test_state_round_trip_and_mismatch():
     assert t.get_lr() == s.get_lr() and t.num_steps == 4
     with pytest.raises(ValueError, match="warmup_iters was 3, now 5"):
         LRScheduler(1.0, warmup_iters=5, decay_iters=10).load_state_dict(s.state_dict())
+
+
+# ---- DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py v0.16.4), worked out by hand ------
+# After n optimizer steps DeepSpeed's last_batch_iteration is t = n - 1; W = max(2, warmup_num_steps).
+
+def test_deepspeed_warmup_decay_log_and_linear():
+    s = DeepSpeedLRScheduler("WarmupDecayLR", warmup_min_lr=1e-5, warmup_max_lr=6e-4, warmup_num_steps=100,
+                             total_num_steps=1000)
+    lo, hi = 1e-5, 6e-4
+    assert s.get_lr(0) == lo  # before the first step: the optimizer was set to warmup_min_lr
+    assert s.get_lr(1) == lo  # t = 0: ln(1) / ln(100) = 0
+    assert s.get_lr(11) == pytest.approx(lo + (hi - lo) * math.log(11) / math.log(100))
+    assert s.get_lr(100) == pytest.approx(hi)  # t = 99: ln(100) / ln(100)
+    assert s.get_lr(101) == pytest.approx(hi)  # t = 100: (1000 - 100) / 900
+    assert s.get_lr(551) == pytest.approx(lo + (hi - lo) * 0.5)  # t = 550: 450 / 900
+    assert s.get_lr(1001) == pytest.approx(lo) and s.get_lr(2000) == pytest.approx(lo)
+    lin = DeepSpeedLRScheduler("WarmupDecayLR", warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear",
+                               total_num_steps=20)
+    assert [lin.get_lr(n) for n in (0, 1, 2, 6, 10, 11, 16, 21)] == pytest.approx(
+        [0.0, 0.0, 0.1, 0.5, 0.9, 1.0, 0.5, 0.0])
+
+
+def test_deepspeed_warmup_lr_defaults_and_min_two_steps():
+    s = DeepSpeedLRScheduler("WarmupLR")  # DeepSpeed's defaults: 0 -> 0.001 over 1000 steps, log
+    assert s.get_lr(501) == pytest.approx(0.001 * math.log(501) / math.log(1000))
+    assert s.get_lr(1001) == 0.001 and s.get_lr(10 ** 6) == 0.001
+    z = DeepSpeedLRScheduler("WarmupLR", warmup_min_lr=0.2, warmup_max_lr=1.0, warmup_num_steps=0)
+    assert [z.get_lr(n) for n in (0, 1, 2, 3)] == pytest.approx([0.2, 0.2, 1.0, 1.0])  # W = max(2, 0)
+    zl = DeepSpeedLRScheduler("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=1, warmup_type="linear")
+    assert [zl.get_lr(n) for n in (1, 2, 3)] == pytest.approx([0.0, 0.5, 1.0])
+
+
+def test_deepspeed_warmup_cosine():
+    s = DeepSpeedLRScheduler("WarmupCosineLR", base_lr=1e-3, total_num_steps=100, warmup_num_steps=10,
+                             warmup_min_ratio=0.1, cos_min_ratio=0.01, warmup_type="linear")
+    assert s.get_lr(0) == 0.0  # DeepSpeed's get_lr before the first step returns 0
+    assert s.get_lr(1) == pytest.approx(1e-4) and s.get_lr(6) == pytest.approx(5.5e-4)
+    cos = lambda x: 1e-3 * (0.01 + 0.99 * (1 + math.cos(math.pi * x)) / 2)  # noqa: E731
+    assert s.get_lr(11) == pytest.approx(cos(1 / 90))  # t = 10: (t - W + 1) / (T - W)
+    assert s.get_lr(56) == pytest.approx(cos(46 / 90))
+    assert s.get_lr(100) == pytest.approx(1e-5)  # t = 99: x = 1 -> cos_min_ratio
+    assert s.get_lr(110) == pytest.approx(cos(100 / 90))  # not clamped past T, as DeepSpeed
+
+
+def test_deepspeed_state_and_errors():
+    s = DeepSpeedLRScheduler("WarmupLR", warmup_max_lr=0.5, warmup_num_steps=4)
+    for _ in range(3):
+        s.step()
+    t = DeepSpeedLRScheduler("WarmupLR", warmup_max_lr=0.5, warmup_num_steps=4)
+    t.load_state_dict(s.state_dict())
+    assert t.num_steps == 3 and t.get_lr() == s.get_lr()
+    with pytest.raises(ValueError, match="warmup_num_steps was 4, now 5"):
+        DeepSpeedLRScheduler("WarmupLR", warmup_max_lr=0.5, warmup_num_steps=5).load_state_dict(s.state_dict())
+    with pytest.raises(ValueError, match="type was None"):
+        t.load_state_dict(LRScheduler(1.0).state_dict())
+    with pytest.raises(ValueError, match="needs total_num_steps"):
+        DeepSpeedLRScheduler("WarmupDecayLR")
+    with pytest.raises(ValueError, match="OneCycle"):
+        DeepSpeedLRScheduler("OneCycle")
+
+
+def test_build_lr_scheduler_picks_the_schedule():
+    base = dict(lr=0.3, min_lr=0.0, lr_warmup_iters=2, lr_decay_iters=10, lr_decay_style="constant")
+    megatron = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler=None))
+    assert isinstance(megatron, LRScheduler) and megatron.get_lr(1) == 0.15
+    ds = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler={
+        "type": "WarmupLR", "warmup_min_lr": 0.0, "warmup_max_lr": 0.3, "warmup_num_steps": 2,
+        "warmup_type": "linear"}))
+    assert isinstance(ds, DeepSpeedLRScheduler) and [ds.get_lr(n) for n in (1, 2, 3)] == [0.0, 0.15, 0.3]
+    with pytest.raises(ValueError, match="--lr is required"):
+        build_lr_scheduler(SimpleNamespace(**{**base, "lr": None}, deepspeed_scheduler=None))

@@ -1,4 +1,13 @@
-"""Learning-rate schedule with Megatron-LM's semantics, counted in iterations.
+"""Learning-rate schedules, counted in optimizer steps: Megatron-LM's and DeepSpeed's.
+
+:func:`build_lr_scheduler` picks the one the arguments ask for: a ``scheduler`` block of the
+``--deepspeed-config`` (``args.deepspeed_scheduler``, resolved by :mod:`megazero.deepspeed_config`)
+gives a :class:`DeepSpeedLRScheduler`, otherwise the Megatron flags give an :class:`LRScheduler`.
+Both have the same interface: ``get_lr(n=None)``, ``step()``, ``num_steps``, ``state_dict()`` /
+``load_state_dict(state, override=False)``; iteration ``i`` (1-based) trains with ``get_lr()``
+taken before its ``step()``, i.e. the rate for ``n = i - 1``.
+
+Megatron (:class:`LRScheduler`):
 
 With ``W`` warm-up iterations, ``D`` decay iterations, peak ``lr`` and floor ``min_lr``, the rate
 after ``n`` optimizer steps is::
@@ -16,6 +25,8 @@ checks the settings match (a changed schedule on resume is named, not silently a
 from __future__ import annotations
 
 import math
+
+DEEPSPEED_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 class LRScheduler:
@@ -59,3 +70,100 @@ class LRScheduler:
                     raise ValueError(f"LR schedule changed since the checkpoint: {key} was {state[key]!r}, "
                                      f"now {getattr(self, key)!r}")
         self.num_steps = int(state["num_steps"])
+
+
+class DeepSpeedLRScheduler:
+    """DeepSpeed's ``WarmupLR``, ``WarmupDecayLR`` and ``WarmupCosineLR`` (deepspeed/runtime/
+    lr_schedules.py, v0.16.4), as functions of the number of optimizer steps taken ``n``.
+
+    DeepSpeed's scheduler starts at ``last_batch_iteration = -1`` and its ``step()`` runs after
+    each applied optimizer step, so after ``n`` steps ``t = n - 1``. ``W = max(2,
+    warmup_num_steps)``, ``T = total_num_steps``; during warm-up (``0 <= t < W``)::
+
+        log:     g = ln(t + 1) / ln(W)          linear:  g = t / W
+
+    WarmupLR:       t < 0: min;  t < W: min + (max - min) g;  else max
+    WarmupDecayLR:  as WarmupLR, but for t >= W: min + (max - min) * max(0, (T - t) / max(1, T - W))
+    WarmupCosineLR: rate = base_lr * ratio (base_lr = the optimizer's lr); t < 0: ratio 0;
+                    t < W: wmr + (1 - wmr) g;  else with x = (t - W + 1) / (T - W):
+                    max(0, cmr + (1 - cmr) (1 + cos(pi x)) / 2)   (wmr = warmup_min_ratio,
+                    cmr = cos_min_ratio; not clamped past T, as DeepSpeed)
+
+    (``min``/``max`` = ``warmup_min_lr``/``warmup_max_lr``.) The first optimizer step therefore
+    trains with ``min`` (WarmupLR/WarmupDecayLR) or 0 (WarmupCosineLR), the second with g(0) = 0.
+    """
+
+    SETTINGS = ("type", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                "warmup_min_ratio", "cos_min_ratio", "base_lr")
+
+    def __init__(self, type: str, *, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", total_num_steps: int | None = None,
+                 warmup_min_ratio: float = 0.0, cos_min_ratio: float = 0.0001, base_lr: float | None = None):
+        if type not in DEEPSPEED_SCHEDULES:
+            raise ValueError(f"unknown DeepSpeed scheduler {type!r}; one of {', '.join(DEEPSPEED_SCHEDULES)}")
+        if warmup_type not in ("log", "linear"):
+            raise ValueError(f"scheduler warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        if type != "WarmupLR" and total_num_steps is None:
+            raise ValueError(f"{type} needs total_num_steps")
+        if type == "WarmupCosineLR" and (base_lr is None or total_num_steps <= max(2, warmup_num_steps)):
+            raise ValueError("WarmupCosineLR needs the optimizer's lr and total_num_steps > max(2, warmup_num_steps)")
+        self.type, self.warmup_type = type, warmup_type
+        self.warmup_min_lr, self.warmup_max_lr = float(warmup_min_lr), float(warmup_max_lr)
+        self.warmup_num_steps, self.total_num_steps = int(warmup_num_steps), total_num_steps
+        self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
+        self.base_lr = None if base_lr is None else float(base_lr)
+        self.num_steps = 0
+
+    def _warmup_gamma(self, t: int, w: int) -> float:
+        return math.log(t + 1) / math.log(w) if self.warmup_type == "log" else t / w
+
+    def get_lr(self, n: int | None = None) -> float:
+        t = (self.num_steps if n is None else n) - 1
+        w = max(2, self.warmup_num_steps)
+        if self.type == "WarmupCosineLR":
+            if t < 0:
+                return 0.0
+            if t < w:
+                ratio = self.warmup_min_ratio + self._warmup_gamma(t, w) * (1.0 - self.warmup_min_ratio)
+            else:
+                x = (t - w + 1) / (self.total_num_steps - w)
+                ratio = max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * x)) / 2)
+            return self.base_lr * ratio
+        if t < 0:
+            gamma = 0.0
+        elif t < w:
+            gamma = self._warmup_gamma(t, w)
+        elif self.type == "WarmupLR":
+            gamma = 1.0
+        else:
+            gamma = max(0.0, (self.total_num_steps - t) / max(1.0, self.total_num_steps - w))
+        return self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
+
+    def step(self) -> float:
+        """Advance one optimizer step; return the rate the next iteration trains with."""
+        self.num_steps += 1
+        return self.get_lr()
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, **{k: getattr(self, k) for k in self.SETTINGS}}
+
+    def load_state_dict(self, state: dict, override: bool = False) -> None:
+        """Restore ``num_steps``; unless ``override``, the saved settings must equal ours."""
+        if not override:
+            for key in self.SETTINGS:
+                if state.get(key) != getattr(self, key):
+                    raise ValueError(f"LR schedule changed since the checkpoint: {key} was {state.get(key)!r}, "
+                                     f"now {getattr(self, key)!r}")
+        self.num_steps = int(state["num_steps"])
+
+
+def build_lr_scheduler(args):
+    """The scheduler the training loop uses: ``args.deepspeed_scheduler`` (a dict of
+    :class:`DeepSpeedLRScheduler`'s keywords, set by ``--deepspeed-config``) or Megatron's
+    (``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-iters``, ``--lr-decay-style``)."""
+    settings = getattr(args, "deepspeed_scheduler", None)
+    if settings:
+        return DeepSpeedLRScheduler(**settings)
+    if args.lr is None:
+        raise ValueError("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
+    return LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style)
