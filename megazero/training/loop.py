@@ -16,11 +16,11 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint import files as ckpt
+from megazero.checkpoint import CheckpointError, schema
+from megazero.checkpoint.api import load_run, save_run
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
@@ -115,8 +115,6 @@ class Trainer:
     def save(self) -> None:
         """Every rank writes its own file; rank 0 adds the gathered per-rank index (names, TP split
         rules, ZeRO regions) to ``metadata.json`` so any layout can load it (docs/checkpoints.md)."""
-        from megazero.checkpoint import schema
-        from megazero.checkpoint.api import save_run
         args = self.args
         t0 = time.time()
         path = save_run(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
@@ -132,8 +130,6 @@ class Trainer:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
         Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
         this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
-        from megazero.checkpoint import schema
-        from megazero.checkpoint.api import load_run
         args = self.args
         loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                           layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
@@ -253,7 +249,7 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
         trainer = setup(args, model_provider, forward_step_func)
         trainer.train(exit_signal)
         trainer.tb.close()
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         print(f"rank {rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception:
