@@ -53,7 +53,8 @@ class OptimizerConfig:
         """From ``parse_args``' namespace (Megatron flag names; DeepSpeed keys already merged)."""
         return cls(stage=args.zero_stage, num_micro_batches=args.num_micro_batches, lr=args.lr,
                    weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                   clip_grad=args.clip_grad, params_dtype=args.params_dtype,
+                   clip_grad=args.clip_grad, decoupled_weight_decay=bool(args.adam_w_mode),
+                   params_dtype=args.params_dtype,
                    accumulate_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
                    loss_scale=args.loss_scale if args.fp16 and args.loss_scale else None,
                    dynamic_loss_scale=bool(args.fp16 and not args.loss_scale),

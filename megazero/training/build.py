@@ -54,10 +54,11 @@ def setup(args, model_provider=None, forward_step_func=None):
     from megazero.pipeline import PipelineRunner
     from megazero.training.logger import TensorBoardLogger
     from megazero.training.loop import Trainer
-    from megazero.training.lr_schedule import LRScheduler
+    from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
 
-    model_config, optimizer_config = build_configs(args)                          # 1
+    model_config, optimizer_config = build_configs(args)                                             # 1
+    scheduler = build_lr_scheduler(args)  # Megatron's schedule or a DeepSpeed config's scheduler block
     launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)  # 2
     if launch.world_size != args.world_size:
         raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
@@ -78,8 +79,7 @@ def setup(args, model_provider=None, forward_step_func=None):
                             stages.activation_dtype)
     trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9
                       runner=runner, forward_step=forward_step_func or gpt_forward_step, datasets=datasets,
-                      scheduler=LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                                args.lr_decay_style),
+                      scheduler=scheduler,
                       tb=TensorBoardLogger(args.tensorboard_dir, enabled=launch.rank == args.world_size - 1))
     if launch.rank == 0:
         print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "

@@ -47,7 +47,8 @@ class ZeroOptimizer:
     (norm counted on TP rank 0 only); ``units``: stage-3 unit modules per chunk (list of lists).
     The optimizer knows no model: both lists come from the model's ``ModelStages``.
     ``decoupled_weight_decay``: AdamW's decoupled decay (True) or L2 added to the gradient
-    (False); stored, not yet used by the step."""
+    before the moments (False: ``torch.optim.Adam(weight_decay=...)``, DeepSpeed's Adam with
+    ``adam_w_mode`` false); see :func:`~megazero.zero.adamw.adamw_step`."""
 
     def __init__(self, model_chunks, topo, *, stage: int = 0, num_micro_batches: int = 1, lr: float = 1e-4,
                  weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
@@ -180,10 +181,11 @@ class ZeroOptimizer:
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         self.iteration += 1
-        decay = [r.master[a:b] for r in self.regions for a, b in r.decay_segments]
+        segments = [(r, g, a, b) for r, g in zip(self.regions, grads) for a, b in r.decay_segments]
         adamw_step([r.master for r in self.regions], grads, [r.exp_avg for r in self.regions],
-                   [r.exp_avg_sq for r in self.regions], decay, step=self.iteration, lr=lr, betas=self.betas,
-                   eps=self.eps, weight_decay=self.weight_decay)
+                   [r.exp_avg_sq for r in self.regions], [r.master[a:b] for r, _, a, b in segments],
+                   step=self.iteration, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                   decoupled=self.decoupled_weight_decay, decay_grads=[g[a:b] for _, g, a, b in segments])
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
         self._end_step(found_inf=False)
