@@ -11,12 +11,12 @@ from .plan import (Action, P2P, build_plan, compute_order, compute_steps, format
                    schedule_name, simulate, theoretical_bubble, warmup_count)
 from .schedules import PipelineRunner, forward_backward
 from .trace import (ScheduleTrace, bubble_report, chrome_trace, format_bubble_report, gather_traces,
-                    trace_for_step, write_pipeline_trace)
+                    write_pipeline_trace)
 
 __all__ = [
     "Action", "P2P", "P2PCommunicator", "PipelineCommError", "PipelineRunner", "ScheduleTrace",
     "allreduce_shared_grads", "bubble_report", "build_plan", "chrome_trace", "chunk_layer_ranges", "chunk_roles",
     "compute_order", "compute_steps", "format_bubble_report", "format_plan", "forward_backward", "gather_traces",
     "in_flight_bound", "pipeline_tensor_shape", "schedule_name", "simulate", "theoretical_bubble",
-    "trace_for_step", "write_pipeline_trace",
+    "write_pipeline_trace",
 ]

@@ -3,10 +3,9 @@ Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing), and a b
 
 Usage (what the training loop does for ``--pipeline-trace FILE``)::
 
-    trace = trace_for_step(args, steps_done)         # a ScheduleTrace on the traced step, else None
+    trace = ScheduleTrace()                          # on the traced step (the loop's third)
     losses = runner.run(..., trace=trace)            # a PipelineRunner
-    if trace is not None:
-        write_pipeline_trace(args.pipeline_trace, trace)   # collective over the world
+    write_pipeline_trace(path, trace)                # collective over the world
 
 Timestamps are relative to each rank's exit from a pipeline-group barrier at the start of the
 step (so ranks on different hosts line up to within the barrier's skew).  Measured bubble of
@@ -119,12 +118,3 @@ def write_pipeline_trace(path: str, trace: ScheduleTrace, print_fn=print) -> dic
     if print_fn is not None:
         print_fn(format_bubble_report(rep) + f"; trace written to {path}")
     return rep
-
-
-def trace_for_step(args, steps_done: int, at: int = 2) -> ScheduleTrace | None:
-    """A fresh :class:`ScheduleTrace` if ``--pipeline-trace FILE`` is set and ``steps_done``
-    (training steps this process has run so far, from 0) equals ``at`` -- by default the third
-    step, past the first steps' allocations -- else None."""
-    if not getattr(args, "pipeline_trace", None) or steps_done != at:
-        return None
-    return ScheduleTrace()

@@ -85,13 +85,8 @@ def test_chunk_layer_ranges_megatron_order():
         chunk_layer_ranges(6, 2, 2, 0)
 
 
-def test_trace_for_step_and_report():
-    from types import SimpleNamespace
-
-    from megazero.pipeline import bubble_report, chrome_trace, format_bubble_report, trace_for_step
-    assert trace_for_step(SimpleNamespace(pipeline_trace=None), 2) is None
-    args = SimpleNamespace(pipeline_trace="t.json")
-    assert trace_for_step(args, 1) is None and trace_for_step(args, 2) is not None
+def test_trace_report():
+    from megazero.pipeline import bubble_report, chrome_trace, format_bubble_report
     meta = {"tp_rank": 0, "dp_rank": 0, "pp": 2, "vp": 1, "m": 2, "schedule": "1f1b"}
     traces = [{"meta": dict(meta, rank=0, pp_rank=0),
                "events": [("forward m0 c0", "forward", 0.0, 1.0, {}), ("forward m1 c0", "forward", 1.0, 2.0, {}),
