@@ -118,6 +118,14 @@ def test_tensorboard_scalars(tmp_path):
     assert len(acc.Scalars("lm loss")) == 3
 
 
+def test_pipeline_trace_flag_writes_the_third_step(tmp_path):
+    import json
+    path = tmp_path / "trace.json"
+    train(2, TINY + MOCK + ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--pipeline-trace", str(path)])
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}  # both stages' intervals
+
+
 def test_torchrun_end_to_end(tmp_path):
     """The real script under torchrun: Megatron log lines, a checkpoint, exit 0; bad input exits 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
