@@ -1,4 +1,4 @@
-"""The SLURM examples on a real SLURM: a one-node cluster started on this machine.
+"""The SLURM examples on a real SLURM: a two-node cluster started on this machine.
 
 Where the machine allows it (Linux, root, Debian's packages reachable when SLURM is missing, and
 ``MEGAZERO_SKIP_SLURM`` unset) the module fixture
@@ -7,14 +7,19 @@ Where the machine allows it (Linux, root, Debian's packages reachable when SLURM
    ``slurmctld`` is missing (about 10 s);
 2. writes a munge key and a ``slurm.conf`` into a temp dir (free ports, ``SlurmUser=root``,
    ``select/cons_tres``, ``proctrack/linuxproc``, ``task/none``, no cgroups, no accounting, state
-   and spool dirs in the temp dir; the node declares 8 CPUs with ``SlurmdParameters=
-   config_overrides`` so 4 tasks fit on a 2-core box) and starts ``munged``, ``slurmctld`` and
-   ``slurmd`` in the foreground as children of the test;
-3. kills all three and removes the temp dir afterwards, whatever happened.
+   and spool dirs in the temp dir) declaring two nodes, ``mz1`` and ``mz2``, both this host
+   (``NodeHostname``, ``NodeAddr=127.0.0.1``) with their own ``Port`` and ``%n``-named spool,
+   pid and log files; each declares 8 CPUs with ``SlurmdParameters=config_overrides`` so 4 tasks
+   fit on a 2-core box. It starts ``munged``, ``slurmctld`` and two ``slurmd -N mz1`` /
+   ``slurmd -N mz2`` in the foreground as children of the test (Debian's build runs two slurmd
+   on one host this way);
+3. kills them all and removes the temp dir afterwards, whatever happened.
 
-The tests submit ``examples/slurm/*.sbatch`` with ``sbatch`` (command-line options override the
-scripts' ``#SBATCH`` GPU sizes), a tiny CPU GPT through ``GPT_ARGS`` and gloo, and check the
-Megatron iteration lines in the job's output and ``latest_checkpointed_iteration.txt``.
+The tests submit ``examples/slurm/*.sbatch`` with ``sbatch --nodes=2`` (command-line options
+override the scripts' ``#SBATCH`` GPU sizes), a tiny CPU GPT through ``GPT_ARGS`` and gloo, and
+check the Megatron iteration lines in the job's output and ``latest_checkpointed_iteration.txt``.
+The emulated node names do not resolve, so the jobs get ``MASTER_ADDR`` / ``RDZV_HOST`` =
+127.0.0.1 (on a real cluster the scripts take the first host of the allocation).
 The srun test also proves preemption: it sends SIGUSR1 to the batch shell (what
 ``--signal=B:USR1@120`` does before the time limit), expects the ranks to checkpoint, the script
 to ``scontrol requeue`` the job, and the requeued job (same id, same run dir) to resume with
@@ -90,8 +95,11 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+NODES = ("mz1", "mz2")
+
+
 class Cluster:
-    """munged + slurmctld + slurmd for this host, configured and owned by the test."""
+    """munged + slurmctld + one slurmd per emulated node on this host, configured and owned by the test."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.procs = tmp, []
@@ -119,9 +127,14 @@ class Cluster:
             if sock.exists():
                 break
             time.sleep(0.1)
-        ctld_port, d_port = _free_ports(2)
+        ctld_port, d_port, *node_ports = _free_ports(2 + len(NODES))
         (t / "state").mkdir()
         (t / "spool").mkdir()
+        nodes = ""
+        for name, port in zip(NODES, node_ports):  # two slurmd on this host: own name, port, spool
+            (t / "spool" / name).mkdir(parents=True)
+            nodes += (f"NodeName={name} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} CPUs=8 Sockets=1 "
+                      f"CoresPerSocket=8 ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN\n")
         conf = f"""\
 ClusterName=megazero-test
 SlurmctldHost={self.host}
@@ -133,11 +146,11 @@ AuthType=auth/munge
 AuthInfo=socket={sock}
 CredType=cred/munge
 StateSaveLocation={t}/state
-SlurmdSpoolDir={t}/spool
+SlurmdSpoolDir={t}/spool/%n
 SlurmctldPidFile={t}/slurmctld.pid
-SlurmdPidFile={t}/slurmd.pid
+SlurmdPidFile={t}/slurmd-%n.pid
 SlurmctldLogFile={t}/slurmctld.log
-SlurmdLogFile={t}/slurmd.log
+SlurmdLogFile={t}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -150,16 +163,16 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=10
 MinJobAge=600
-NodeName={self.host} CPUs=8 Sockets=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
         (t / "slurm.conf").write_text(conf)
         self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(t / "slurm.conf")])
-        self._daemon("slurmd", ["slurmd", "-D", "-f", str(t / "slurm.conf")])
+        for name in NODES:
+            self._daemon(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(t / "slurm.conf")])
         deadline = time.time() + 30
         while time.time() < deadline:
-            state = _run(["sinfo", "-h", "-o", "%T"], self.env, check=False).strip()
-            if state == "idle":
+            state = _run(["sinfo", "-h", "-N", "-o", "%T"], self.env, check=False).split()
+            if state == ["idle"] * len(NODES):
                 return self
             time.sleep(0.5)
         raise RuntimeError(f"the test cluster did not come up (node state {state!r})\n{self.logs()}")
@@ -226,8 +239,9 @@ def cluster():
 
 
 def _job_env(run_root: Path, gpt_args: str) -> dict:
+    # the emulated nodes' names do not resolve: the rendezvous is this host's loopback
     return {"MEGAZERO_DIR": str(ROOT), "PYTHON": sys.executable, "RUN_ROOT": str(run_root),
-            "GPT_ARGS": gpt_args}
+            "GPT_ARGS": gpt_args, "MASTER_ADDR": "127.0.0.1", "RDZV_HOST": "127.0.0.1"}
 
 
 def _iterations(log: str) -> list[int]:
@@ -239,11 +253,12 @@ def _explain(log: str, cluster: Cluster) -> str:
 
 
 def test_srun_sbatch_trains_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """4 ranks (TP 2 x DP 2) by srun; SIGUSR1 mid-run -> checkpoint, requeue, resume, finish."""
+    """2 nodes x 2 ranks (TP 2 in a node x DP 2 across) by srun; SIGUSR1 mid-run -> checkpoint,
+    requeue, resume, finish."""
     iters = 60
     out = tmp_path / "job.out"
     job = cluster.sbatch(SLURM_DIR / "pretrain_gpt.sbatch",
-                         ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--gpus-per-node=0",
+                         ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
                           "--time=10", f"--output={out}", "--job-name=mz-srun"],
                          _job_env(tmp_path, f"{TINY_GPT} --train-iters {iters} --tensor-model-parallel-size 2"))
     deadline = time.time() + 90  # the first iteration line, then "preempt"
@@ -257,6 +272,7 @@ def test_srun_sbatch_trains_checkpoints_requeues_and_resumes(cluster, tmp_path):
     info = cluster.wait_done(job, timeout=120)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _explain(log, cluster)
+    assert info["NodeList"] == "mz[1-2]" and "4 tasks" in log, _explain(log, cluster)
     assert int(info["Restarts"]) == 1, (f"job was not requeued once (Restarts={info.get('Restarts')}; if training "
                                         f"ended before SIGUSR1 arrived, raise `iters`)\n{_explain(log, cluster)}")
     assert "SIGUSR1" in log and f"requeueing job {job}" in log, _explain(log, cluster)
@@ -275,18 +291,19 @@ def test_srun_sbatch_trains_checkpoints_requeues_and_resumes(cluster, tmp_path):
 
 
 def test_torchrun_sbatch_trains_and_checkpoints(cluster, tmp_path):
-    """One torchrun per node under srun, 2 ranks (TP 2), c10d rendezvous on the first host."""
+    """One torchrun per node under srun on 2 nodes, 2 ranks each (TP 2 x DP 2), c10d rendezvous."""
     iters = 4
     out = tmp_path / "job.out"
     env = dict(_job_env(tmp_path, f"{TINY_GPT} --train-iters {iters} --tensor-model-parallel-size 2"),
                NPROC_PER_NODE="2")
     job = cluster.sbatch(SLURM_DIR / "pretrain_gpt_torchrun.sbatch",
-                         ["--nodes=1", "--cpus-per-task=2", "--gpus-per-node=0", "--time=10",
+                         ["--nodes=2", "--cpus-per-task=2", "--gpus-per-node=0", "--time=10",
                           f"--output={out}", "--job-name=mz-torchrun"], env)
     info = cluster.wait_done(job, timeout=120, release_requeued=False)
     log = out.read_text() if out.exists() else ""
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", _explain(log, cluster)
     assert _iterations(log) == list(range(1, iters + 1)), _explain(log, cluster)
+    assert info["NodeList"] == "mz[1-2]" and "2 nodes x 2 ranks" in log, _explain(log, cluster)
     ckpt = tmp_path / f"mz-torchrun-{job}" / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
     assert (ckpt / f"iter_{iters:07d}").is_dir()
