@@ -1,7 +1,7 @@
 """Every command-line flag, with Megatron-LM's names and meanings, validation and derived values.
 
 ``parse_args(argv)`` parses, merges an optional DeepSpeed JSON config (``--deepspeed-config``,
-its ``zero_optimization`` block filling the ZeRO flags), validates and derives, all before any
+read as DeepSpeed reads it by :mod:`megazero.deepspeed_config`), validates and derives, all before any
 process group exists. Invalid input exits with status 2 and one ``prog: error: ...`` line that
 names the flags and the numbers. Nothing here has side effects beyond reading the config file.
 
@@ -27,33 +27,9 @@ import warnings
 
 import torch
 
-TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+from megazero.deepspeed_config import apply_deepspeed_config
 
-# DeepSpeed ``zero_optimization`` keys megazero implements -> (our dest, type).
-ZERO_KEYS = {
-    "stage": ("zero_stage", int),
-    "overlap_comm": ("zero_overlap_comm", bool),
-    "contiguous_gradients": ("zero_contiguous_gradients", bool),
-    "reduce_bucket_size": ("zero_reduce_bucket_size", int),
-    "allgather_bucket_size": ("zero_allgather_bucket_size", int),
-    "stage3_prefetch_bucket_size": ("zero_prefetch_bucket_size", int),
-    "stage3_param_persistence_threshold": ("zero_param_persistence_threshold", int),
-    "stage3_max_live_parameters": ("zero_max_live_parameters", int),
-    "stage3_max_reuse_distance": ("zero_max_reuse_distance", int),
-}
-# Top-level DeepSpeed keys that map onto Megatron flags.
-TOP_KEYS = {
-    "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
-    "train_batch_size": ("global_batch_size", int),
-    "gradient_clipping": ("clip_grad", float),
-}
-FP16_KEYS = {
-    "initial_scale_power": ("initial_loss_scale", int),  # 2 ** power
-    "loss_scale": ("loss_scale", float),  # 0 means dynamic
-    "loss_scale_window": ("loss_scale_window", int),
-    "hysteresis": ("hysteresis", int),
-    "min_loss_scale": ("min_loss_scale", float),
-}
+TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 def _int_like(text: str) -> int:
@@ -162,8 +138,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--zero-param-persistence-threshold", type=_int_like, default=100_000)
     g.add_argument("--zero-max-live-parameters", type=_int_like, default=1_000_000_000)
     g.add_argument("--zero-max-reuse-distance", type=_int_like, default=1_000_000_000)
-    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
-                   help="DeepSpeed JSON; its zero_optimization block fills the --zero-* flags")
+    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None, metavar="FILE",
+                   help="DeepSpeed JSON config, read as DeepSpeed reads it (docs/zero.md, 'DeepSpeed config keys')")
+    g.add_argument("--deepspeed", action="store_true",
+                   help="accepted for DeepSpeed launch scripts; no effect (as in DeepSpeed: a helper flag)")
+    p.set_defaults(adam_w_mode=True, deepspeed_scheduler=None)  # set from the config's optimizer/scheduler
 
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100)
@@ -198,76 +177,6 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
 
 def _fail(parser: argparse.ArgumentParser, message: str):
     parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
-def _typed(parser, path: str, value, kind):
-    """Check a DeepSpeed config value's type; numbers like ``1e9`` count as ints."""
-    if kind is bool:
-        if not isinstance(value, bool):
-            _fail(parser, f"--deepspeed-config: key '{path}' must be true or false, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(parser, f"--deepspeed-config: key '{path}' must be a number, got {value!r}")
-    if kind is int:
-        if not math.isfinite(value) or value != int(value):
-            _fail(parser, f"--deepspeed-config: key '{path}' must be an integer, got {value!r}")
-        return int(value)
-    return float(value)
-
-
-def apply_deepspeed_config(parser, args, explicit: set[str]) -> None:
-    """Fill flags from ``--deepspeed-config``; explicit command-line flags win."""
-    path = args.deepspeed_config
-    if not os.path.isfile(path):
-        _fail(parser, f"--deepspeed-config: file not found: {path}")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        _fail(parser, f"--deepspeed-config: {path} is not valid JSON: {e}")
-    if not isinstance(config, dict):
-        _fail(parser, f"--deepspeed-config: {path} must hold a JSON object")
-    ignored = []
-
-    def put(dest, value):
-        if dest not in explicit:
-            setattr(args, dest, value)
-
-    for key, value in config.items():
-        if key == "zero_optimization":
-            if not isinstance(value, dict):
-                _fail(parser, "--deepspeed-config: key 'zero_optimization' must be an object")
-            for zkey, zval in value.items():
-                if zkey in ZERO_KEYS:
-                    dest, kind = ZERO_KEYS[zkey]
-                    put(dest, _typed(parser, f"zero_optimization.{zkey}", zval, kind))
-                else:
-                    ignored.append(f"zero_optimization.{zkey}")
-        elif key in ("fp16", "bf16"):
-            if not isinstance(value, dict):
-                _fail(parser, f"--deepspeed-config: key '{key}' must be an object")
-            for sub, sval in value.items():
-                if sub == "enabled":
-                    if _typed(parser, f"{key}.enabled", sval, bool):
-                        put(key, True)
-                elif key == "fp16" and sub in FP16_KEYS:
-                    dest, kind = FP16_KEYS[sub]
-                    v = _typed(parser, f"fp16.{sub}", sval, kind)
-                    if sub == "initial_scale_power":
-                        v = 2.0 ** v
-                    if sub == "loss_scale":
-                        v = None if v == 0 else v
-                    put(dest, v)
-                else:
-                    ignored.append(f"{key}.{sub}")
-        elif key in TOP_KEYS:
-            dest, kind = TOP_KEYS[key]
-            put(dest, _typed(parser, key, value, kind))
-        else:
-            ignored.append(key)
-    if ignored:
-        warnings.warn(f"--deepspeed-config {path}: keys not implemented by megazero, ignored: {', '.join(ignored)}",
-                      stacklevel=2)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -1,6 +1,5 @@
 """Flags, DeepSpeed-config merging, validation rules (status 2, one line) and derived values."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -99,53 +98,6 @@ def test_sequence_parallel_without_tp_warns_and_turns_off():
 
 def test_rope_allows_long_sequences():
     assert parse(["--max-position-embeddings", "16", "--position-embedding-type", "rope"]).seq_length == 32
-
-
-def write(tmp_path, obj, name="ds.json"):
-    p = tmp_path / name
-    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
-    return str(p)
-
-
-SEED_CONFIG = {"zero_optimization": {
-    "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-    "reduce_bucket_size": 1, "stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 1,
-    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}}
-
-
-def test_deepspeed_config_fills_zero_flags(tmp_path):
-    path = write(tmp_path, SEED_CONFIG)
-    with pytest.warns(UserWarning, match=r"zero_optimization\.sub_group_size") as rec:
-        a = parse(["--deepspeed-config", path])
-    assert len(rec) == 1
-    assert a.zero_stage == 3 and a.zero_overlap_comm and a.zero_contiguous_gradients
-    assert a.zero_reduce_bucket_size == 1 and a.zero_prefetch_bucket_size == 1
-    assert a.zero_param_persistence_threshold == 1
-    assert a.zero_max_live_parameters == 10 ** 9 and isinstance(a.zero_max_live_parameters, int)
-    assert a.zero_max_reuse_distance == 10 ** 9
-
-
-def test_deepspeed_config_explicit_flag_wins_and_precision(tmp_path):
-    path = write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
-                            "bf16": {"enabled": True}, "gradient_clipping": 0.5})
-    a = parse(["--deepspeed-config", path, "--zero-stage", "1", "--zero-reduce-bucket-size=1e6"])
-    assert a.zero_stage == 1 and a.zero_reduce_bucket_size == 10 ** 6
-    assert a.bf16 and a.params_dtype == torch.bfloat16 and a.clip_grad == 0.5
-    path = write(tmp_path, {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale": 0}}, "f.json")
-    a = parse(["--deepspeed-config", path])
-    assert a.fp16 and a.initial_loss_scale == 2.0 ** 16 and a.loss_scale is None
-
-
-def test_deepspeed_config_errors(capsys, tmp_path):
-    fails(capsys, ["--deepspeed-config", str(tmp_path / "missing.json")], "missing.json", "not found")
-    fails(capsys, ["--deepspeed-config", write(tmp_path, "{not json")], "not valid JSON")
-    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"stage": "three"}})],
-          "zero_optimization.stage", "'three'")
-    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"overlap_comm": 1}})],
-          "zero_optimization.overlap_comm")
-    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"reduce_bucket_size": 1.5}})],
-          "zero_optimization.reduce_bucket_size", "integer")
-    fails(capsys, ["--deepspeed-config", write(tmp_path, {"zero_optimization": {"stage": 7}})], "--zero-stage", "7")
 
 
 def test_world_size_from_env(monkeypatch):
