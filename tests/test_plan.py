@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megazero import planner as plan
+from megazero.planner.cli import main as planner_main
 from megazero.model import GPTConfig, GPTModel
 from megazero.parallel.topology import Topology
 
@@ -163,19 +164,19 @@ def test_cli_table_and_json(capsys):
     argv = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
             "--micro-batch-size", "1", "--vocab-size", "50257", "--world-size", "8", "--bf16",
             "--sequence-parallel", "--recompute-granularity", "selective", "--gpu-memory-gb", "24"]
-    assert plan.main(argv) == 0
+    assert planner_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("model: 1,3")  # ~1.3B parameters
     assert lines[1].split()[:5] == ["TP", "PP", "VP", "DP", "ZeRO"]
     assert any(line.rstrip().endswith("yes") for line in lines[3:-1])
-    assert plan.main(argv + ["--json", "--zero-stage", "3"]) == 0
+    assert planner_main(argv + ["--json", "--zero-stage", "3"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows and all(r["zero"] == 3 for r in rows)
     fits = [r for r in rows if r["fits"]]
     assert fits and all(r["total_bytes"] <= 24 * 2 ** 30 for r in fits)
-    assert plan.main(argv[:-2] + ["--gpu-memory-gb", "0.001", "--fits-only"]) == 1
+    assert planner_main(argv[:-2] + ["--gpu-memory-gb", "0.001", "--fits-only"]) == 1
     with pytest.raises(SystemExit):
-        plan.main(["--num-layers", "2", "--world-size", "2"])
+        planner_main(["--num-layers", "2", "--world-size", "2"])
 
 
 def test_gpt3_1p3b_zero_beats_replication():

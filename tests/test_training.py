@@ -1,7 +1,6 @@
 """pretrain_gpt end to end: the layout never changes the training, resume is exact, signals save,
 TensorBoard holds Megatron's scalar names, and the script runs under torchrun."""
 
-import math
 import os
 import signal
 import subprocess

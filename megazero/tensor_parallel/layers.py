@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import shard, to_full, to_local, unshard
+from .spec import to_full, to_local, unshard
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
