@@ -11,9 +11,15 @@ Derived values, computed only in :func:`derive` (called by ``parse_args``):
 * ``data_parallel_size``              -- ``world / (TP * PP)``
 * ``num_micro_batches``               -- ``global_batch / (micro_batch * DP)``
 * ``virtual_pipeline_model_parallel_size`` -- ``num_layers / (PP * layers_per_virtual_stage)``
-* ``padded_vocab_size``               -- vocab rounded up to a multiple of
-  ``make_vocab_size_divisible_by * TP`` (see :func:`padded_vocab_size`)
+* ``lr_decay_iters``                  -- ``train_iters`` unless given
 * ``params_dtype``                    -- ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
+
+The model's own derived sizes (FFN size, head size, query groups, the padded vocabulary) are
+not written here: :class:`megazero.model.GPTConfig` derives them, once, when the run's configs
+are built (``megazero.training.build``), after the tokenizer has given the vocabulary size.
+
+``parse_args`` returns :class:`Arguments`, frozen once validated: assigning to it raises, so no
+later step can change what the flags said (use :meth:`Arguments.replace` for a modified copy).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from megazero.deepspeed_config import apply_deepspeed_config
 TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
+
 def _int_like(text: str) -> int:
     """Parse ``5e8`` / ``500000000`` / ``1_000`` as an int (DeepSpeed configs write floats)."""
     try:
@@ -41,6 +48,30 @@ def _int_like(text: str) -> int:
     if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     return int(value)
+
+
+class Arguments(argparse.Namespace):
+    """The parsed flags; read-only after :func:`parse_args` validated them."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen", False):
+            raise AttributeError(f"arguments are frozen after validation; cannot set {name!r} "
+                                 "(build a config object, or use args.replace(...) for a copy)")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> "Arguments":
+        self.__dict__["_frozen"] = True
+        return self
+
+    def replace(self, **changes) -> "Arguments":
+        """A frozen copy with ``changes`` applied (no re-validation)."""
+        values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        values.update(changes)
+        return Arguments(**values).freeze()
+
+    def as_dict(self) -> dict:
+        """The flags' values by ``dest`` name."""
+        return {k: v for k, v in vars(self).items() if k != "_frozen"}
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -79,8 +110,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration divisible by this")
-    g.add_argument("--exit-signal-handler", action="store_true", default=True,
-                   help="save and exit 0 on SIGTERM/SIGUSR1 (always on)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM/SIGUSR1, save a checkpoint and exit 0 at the end of the iteration (as Megatron)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -131,9 +162,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("ZeRO (DeepSpeed names in --deepspeed-config)")
     g.add_argument("--zero-stage", type=int, default=0)
     g.add_argument("--zero-reduce-bucket-size", type=_int_like, default=500_000_000)
-    g.add_argument("--zero-allgather-bucket-size", type=_int_like, default=500_000_000)
     g.add_argument("--zero-overlap-comm", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--zero-contiguous-gradients", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--zero-prefetch-bucket-size", type=_int_like, default=50_000_000)
     g.add_argument("--zero-param-persistence-threshold", type=_int_like, default=100_000)
     g.add_argument("--zero-max-live-parameters", type=_int_like, default=1_000_000_000)
@@ -179,19 +208,6 @@ def _fail(parser: argparse.ArgumentParser, message: str):
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp`` (each TP shard equal)."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
-def set_padded_vocab_size(args, vocab_size: int) -> None:
-    """Record the tokenizer's vocab size and its padded size on ``args``."""
-    args.vocab_size = vocab_size
-    args.padded_vocab_size = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
-
-
 def world_size_from_env(env=os.environ) -> int:
     for key in ("WORLD_SIZE", "SLURM_NTASKS"):
         if env.get(key):
@@ -203,14 +219,6 @@ def derive(args) -> None:
     """Compute every derived value (one place). Assumes :func:`validate` passed."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     args.data_parallel_size = args.world_size // (tp * pp)
-    if args.num_query_groups is None:
-        args.num_query_groups = args.num_attention_heads
-    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.ffn_hidden_size is None and args.hidden_size:
-        args.ffn_hidden_size = (int(8 * args.hidden_size / 3 / 64) * 64 or 64) if args.swiglu else 4 * args.hidden_size
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.num_layers_per_virtual_pipeline_stage:
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
     else:
@@ -224,9 +232,6 @@ def derive(args) -> None:
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    args.padded_vocab_size = None
-    if args.vocab_size is not None and args.tokenizer_type in (None, "NullTokenizer"):
-        set_padded_vocab_size(args, args.vocab_size)
 
 
 def validate(parser, args) -> None:
@@ -288,7 +293,7 @@ def validate(parser, args) -> None:
             "with learned absolute positions")
     if args.zero_stage not in (0, 1, 2, 3):
         err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
-    for dest in ("zero_reduce_bucket_size", "zero_allgather_bucket_size", "zero_prefetch_bucket_size",
+    for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
                  "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
         if getattr(args, dest) < 0:
             err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
@@ -308,12 +313,17 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None, pro
     """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 on bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()
     if args.group_query_attention and args.num_query_groups is None:
         _fail(parser, "--group-query-attention needs --num-query-groups")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        # Megatron-LM (core_transformer_config_from_args) ignores the group count without the switch
+        _fail(parser, f"--num-query-groups {args.num_query_groups} needs --group-query-attention: without it "
+                      "Megatron-LM ignores --num-query-groups and trains multi-head attention; add "
+                      "--group-query-attention for GQA, or drop --num-query-groups")
     if args.deepspeed_config:
         apply_deepspeed_config(parser, args, _explicit_dests(parser, argv))
     validate(parser, args)
     derive(args)
-    return args
+    return args.freeze()
