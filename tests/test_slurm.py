@@ -127,6 +127,20 @@ class Cluster:
             if sock.exists():
                 break
             time.sleep(0.1)
+        self._write_conf(sock)
+        self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(t / "slurm.conf")])
+        for name in NODES:
+            self._daemon(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(t / "slurm.conf")])
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            state = _run(["sinfo", "-h", "-N", "-o", "%T"], self.env, check=False).split()
+            if state == ["idle"] * len(NODES):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"the test cluster did not come up (node states {state!r})\n{self.logs()}")
+
+    def _write_conf(self, sock: Path) -> None:
+        t = self.tmp
         ctld_port, d_port, *node_ports = _free_ports(2 + len(NODES))
         (t / "state").mkdir()
         (t / "spool").mkdir()
@@ -166,16 +180,6 @@ MinJobAge=600
 {nodes}PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
         (t / "slurm.conf").write_text(conf)
-        self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(t / "slurm.conf")])
-        for name in NODES:
-            self._daemon(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(t / "slurm.conf")])
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            state = _run(["sinfo", "-h", "-N", "-o", "%T"], self.env, check=False).split()
-            if state == ["idle"] * len(NODES):
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(f"the test cluster did not come up (node state {state!r})\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log"))
