@@ -15,10 +15,11 @@ import sys
 from megazero.arguments import parse_args
 
 
-def model_provider(model_config, topo, micro_batch_size):
-    """This rank's GPT chunks: layers split over PP x VP in Megatron's interleaved order."""
+def model_provider(model_config, topo, micro_batch_size, device=None):
+    """This rank's GPT chunks: layers split over PP x VP in Megatron's interleaved order
+    (``device="meta"`` under ZeRO-3: ZeRO materializes them unit by unit into its shards)."""
     from megazero.model.stages import gpt_stages
-    return gpt_stages(model_config, topo, micro_batch_size)
+    return gpt_stages(model_config, topo, micro_batch_size, device=device)
 
 
 def main(argv=None) -> int:

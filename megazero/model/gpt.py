@@ -7,7 +7,10 @@ nothing of pipelines: a stage is just a slice, and a chunk with both ends is the
 
 Parameter names use *global* layer numbers (``layers.5.mlp.fc1.weight`` on whichever stage
 holds layer 5), and each parameter is drawn whole from a generator seeded by (seed, that name),
-then sliced for TP, so every (TP, PP, VP, DP) layout starts from the same model.
+then sliced for TP, so every (TP, PP, VP, DP) layout starts from the same model. With
+``meta_init=True`` nothing is drawn: parameters are meta tensors of their local shapes and
+:func:`~megazero.tensor_parallel.layers.param_initializer` gives each one's value on demand
+(ZeRO-3 materializes them unit by unit into its shards, bit-equal to the eager build).
 
 Tied embeddings (``untie_embeddings_and_output_weights=False``): a slice holding both ends
 (the only stage) multiplies by the word-embedding weight itself. A slice with ``post_process``
@@ -53,8 +56,14 @@ class Embedding(nn.Module):
             padded_vocab, config.hidden_size, tp_group, vocab_size=config.vocab_size, sequence_parallel=self.sp,
             init_method=seeded_normal(std, seed, WORD_EMBEDDING), params_dtype=config.params_dtype, device=device)
         if config.position_embedding_type == "learned_absolute":
-            weight = torch.empty(config.max_position_embeddings, config.hidden_size)
-            seeded_normal(std, seed, "embedding.position_embeddings.weight")(weight)
+            shape = (config.max_position_embeddings, config.hidden_size)
+
+            def init() -> torch.Tensor:
+                weight = torch.empty(shape)
+                seeded_normal(std, seed, "embedding.position_embeddings.weight")(weight)
+                return weight
+            self.param_inits = {"position_embeddings.weight": init}  # the meta-device build's values
+            weight = torch.empty(shape, device="meta") if torch.device(device).type == "meta" else init()
             self.position_embeddings = nn.Embedding.from_pretrained(
                 weight.to(device=device, dtype=config.params_dtype), freeze=False)
         else:
@@ -75,7 +84,7 @@ class GPTModel(nn.Module):
     """See the module docstring and docs/INTERFACES.md (Model)."""
 
     def __init__(self, config: GPTConfig, topo=None, layer_start: int = 0, layer_end: int | None = None,
-                 pre_process: bool = True, post_process: bool = True, device=None):
+                 pre_process: bool = True, post_process: bool = True, device=None, meta_init: bool = False):
         super().__init__()
         self.config, self.topo = config, topo
         self.tp_group = topo.tp_group if topo is not None else None
@@ -91,20 +100,21 @@ class GPTModel(nn.Module):
         self.device = torch.device(device) if device is not None else default_device(self.tp_group)
         tp_rank = topo.tp_rank if topo is not None else 0
         self.rng = RNGTracker(config.seed, tp_rank, stream=self.layer_start, device=self.device)
+        where = torch.device("meta") if meta_init else self.device  # meta: values from param_initializer
         if pre_process:
-            self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, self.device)
+            self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, n, self.tp_group, self.rng, self.device)
+            str(n): TransformerLayer(config, n, self.tp_group, self.rng, where)
             for n in range(self.layer_start, self.layer_end)})
         if post_process:
-            self.final_norm = Norm(config, self.tp_group, self.sequence_parallel, self.device)
+            self.final_norm = Norm(config, self.tp_group, self.sequence_parallel, where)
             uses_embedding = config.tied_embeddings and pre_process
             key = WORD_EMBEDDING if config.tied_embeddings else "output_layer.weight"
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab, self.tp_group, bias=False,
                 sequence_parallel=self.sequence_parallel, real_out_features=config.vocab_size,
                 init_method=seeded_normal(config.init_method_std, config.seed, key),
-                params_dtype=config.params_dtype, device=self.device, create_weight=not uses_embedding)
+                params_dtype=config.params_dtype, device=where, create_weight=not uses_embedding)
 
     # ---- forward -------------------------------------------------------------------------
     def shared_embedding_weight(self) -> nn.Parameter | None:

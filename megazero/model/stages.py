@@ -8,6 +8,7 @@ the embedding group). A model that is not a GPT builds its own (tests/test_non_g
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from megazero.pipeline.chunks import chunk_layer_ranges, chunk_roles
 from megazero.pipeline.p2p import pipeline_tensor_shape
+from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
 
 from .gpt import WORD_EMBEDDING
@@ -38,6 +40,10 @@ class ModelStages:
       dropout RNG trackers) that a checkpoint saves and an exact resume restores.
     * ``aliases``: ``{copy name: canonical name}`` of the shared parameters, so a checkpoint reader
       can read a copy from its canonical parameter (and writers may skip it).
+    * ``param_init``: None when the chunks hold real parameters; for chunks built on the meta
+      device (a ZeRO-3 run, :func:`provider_options`), ``param_init(param)`` is the parameter's
+      initial value (fp32, CPU, its TP-local shape), which ZeRO materializes unit by unit
+      straight into this rank's shard.
     """
 
     chunks: list[nn.Module]
@@ -47,20 +53,31 @@ class ModelStages:
     tp_duplicated_params: list[nn.Parameter] = field(default_factory=list)
     rng_states: list = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    param_init: Callable[[nn.Parameter], torch.Tensor] | None = None
 
 
 ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
 
 
-def build_model_chunks(config, topo) -> list[nn.Module]:
+def provider_options(provider, zero_stage: int) -> dict:
+    """``{"device": "meta"}`` for a ZeRO-3 run of a ``model_provider`` that takes a ``device``
+    keyword (it then builds on the meta device and returns ``param_init``); ``{}`` otherwise, so
+    a provider without the keyword builds as before. Optional provider arguments are detected by
+    signature, as Megatron does for its ``vp_stage``."""
+    if zero_stage == 3 and "device" in inspect.signature(provider).parameters:
+        return {"device": "meta"}
+    return {}
+
+
+def build_model_chunks(config, topo, meta_init: bool = False) -> list[nn.Module]:
     """This rank's VP ``GPTModel`` slices, in virtual-stage order: chunk ``c`` holds the global
     layers of virtual stage ``c * PP + pp_rank`` (:func:`~megazero.pipeline.chunk_layer_ranges`),
     the embedding on virtual stage 0, the final norm, output layer and loss on the last."""
     from .gpt import GPTModel
     ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank)
     roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank)
-    return [GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post)
-            for (start, end), (pre, post) in zip(ranges, roles)]
+    return [GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post,
+                     meta_init=meta_init) for (start, end), (pre, post) in zip(ranges, roles)]
 
 
 def shared_embedding_params(chunks, topo) -> list:
@@ -78,20 +95,23 @@ def shared_embedding_params(chunks, topo) -> list:
     return [(w, topo.embedding_group) for w in weights if w is not None]
 
 
-def gpt_stages(config, topo, micro_batch_size: int) -> ModelStages:
+def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
     """The GPT as :class:`ModelStages`: Megatron's interleaved layer assignment
     (:func:`build_model_chunks`), activations ``[s, b, h]`` (``[s / TP, b, h]`` with sequence
     parallelism) in ``config.params_dtype``, the tied embedding's copies shared over the embedding
     group (:func:`shared_embedding_params`; alias ``output_layer.weight`` ->
-    ``embedding.word_embeddings.weight``), each chunk's dropout RNG tracker to checkpoint."""
-    chunks = build_model_chunks(config, topo)
+    ``embedding.word_embeddings.weight``), each chunk's dropout RNG tracker to checkpoint.
+    ``device="meta"``: parameters on the meta device, values from ``param_init``."""
+    meta = device is not None and torch.device(device).type == "meta"
+    chunks = build_model_chunks(config, topo, meta_init=meta)
     shape = pipeline_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size, topo.tp,
                                   config.sequence_parallel)
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
     return ModelStages(chunks=chunks, activation_shape=shape, activation_dtype=config.params_dtype,
                        shared_params=shared_embedding_params(chunks, topo),
                        tp_duplicated_params=tp_duplicated_params(chunks, topo.tp),
-                       rng_states=[chunk.rng for chunk in chunks], aliases=aliases)
+                       rng_states=[chunk.rng for chunk in chunks], aliases=aliases,
+                       param_init=param_initializer(chunks) if meta else None)
 
 
 def gpt_forward_step(chunk, micro_batch: dict, input_tensor):

@@ -46,8 +46,10 @@ class Norm(nn.Module):
         self.kind, self.eps, self.tp_group = config.normalization, config.norm_epsilon, tp_group
         self.sequence_parallel = sequence_parallel
         h = config.hidden_size
+        self.param_inits = {"weight": lambda: torch.ones(h)}  # values for a meta-device build
         self.weight = nn.Parameter(torch.ones(h, dtype=config.params_dtype, device=device))
         if self.kind == "LayerNorm":
+            self.param_inits["bias"] = lambda: torch.zeros(h)
             self.bias = nn.Parameter(torch.zeros(h, dtype=config.params_dtype, device=device))
         else:
             self.register_parameter("bias", None)

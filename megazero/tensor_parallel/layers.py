@@ -23,6 +23,12 @@ key) -- then this rank's slice is kept, so TP = 1, 2, 4 start from the same mode
 matrices are drawn for the real ``vocab_size`` rows and zero-padded, so the padding (which
 depends on TP) doesn't change the real rows.
 
+Deferred (meta-device) initialization: built with ``device="meta"`` a layer draws nothing; its
+parameters are empty meta tensors of the TP-local shape, and ``param_inits[name]()`` returns the
+value it would have drawn (fp32, CPU, TP-local). :func:`param_initializer` collects these over a
+model, so ZeRO-3 can materialize one unit at a time straight into this rank's shard with the same
+bits as an eager build (``init()`` is exactly what the eager build casts to ``params_dtype``).
+
 Each layer converts its parameters between the full tensor and this rank's slice
 (:meth:`full_to_local`, :meth:`local_to_full`, the latter a collective over the TP group); a
 replicated parameter is its own full tensor. Replicated parameters that see sequence-split
@@ -91,6 +97,22 @@ def _full_weight(shape, init_method: InitMethod | None, real_rows: int | None) -
     return full
 
 
+def param_initializer(roots) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``init(param)``: the initial value (fp32, CPU, this rank's TP-local shape) of any parameter
+    under ``roots`` that a module declares in its ``param_inits`` dict ``{dotted name relative to
+    the module: () -> tensor}``; ``KeyError`` for one no module declares. The ZeRO hook for
+    materializing a model built on the meta device."""
+    table = {}
+    for root in roots:
+        for module in root.modules():
+            for name, fn in getattr(module, "param_inits", {}).items():
+                table[id(module.get_parameter(name))] = fn
+
+    def init(param: torch.Tensor) -> torch.Tensor:
+        return table[id(param)]()
+    return init
+
+
 class _TPLayer(nn.Module):
     """Conversion between full tensors and this rank's slices, by :mod:`.spec`'s rule."""
 
@@ -100,9 +122,18 @@ class _TPLayer(nn.Module):
     def local_to_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return to_full(self, name, local, self.tp_group)
 
-    def _make(self, full: torch.Tensor, name: str, dtype, device) -> nn.Parameter:
-        local = self.full_to_local(name, full) if name in self.partitions else full
-        return nn.Parameter(local.to(device=device, dtype=dtype))
+    def _make(self, name: str, full_shape, make_full: Callable[[], torch.Tensor], dtype, device) -> nn.Parameter:
+        """Parameter ``name`` from ``make_full()`` (the fp32 full tensor of ``full_shape``), sliced
+        for this rank; on the meta device only its local shape, the draw kept in ``param_inits``."""
+        def init() -> torch.Tensor:
+            full = make_full()
+            return self.full_to_local(name, full) if name in self.partitions else full
+        self.param_inits[name] = init
+        if torch.device(device).type == "meta":
+            meta = torch.empty(full_shape, device="meta")
+            shape = self.full_to_local(name, meta).shape if name in self.partitions else meta.shape
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        return nn.Parameter(init().to(device=device, dtype=dtype))
 
 
 class ColumnParallelLinear(_TPLayer):
@@ -127,13 +158,15 @@ class ColumnParallelLinear(_TPLayer):
         self.partitions = {"weight": (0, partition_sizes, real_out_features),
                            "bias": (0, partition_sizes, real_out_features)}
         device = default_device(tp_group) if device is None else device
+        self.param_inits = {}
+        shape = (out_features, in_features)
         if create_weight:
-            full = _full_weight((out_features, in_features), init_method, real_out_features)
-            self.weight = self._make(full, "weight", params_dtype, device)
+            self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, real_out_features),
+                                     params_dtype, device)
         else:
             self.register_parameter("weight", None)
         if bias:
-            self.bias = self._make(torch.zeros(out_features), "bias", params_dtype, device)
+            self.bias = self._make("bias", (out_features,), lambda: torch.zeros(out_features), params_dtype, device)
         else:
             self.register_parameter("bias", None)
 
@@ -172,10 +205,11 @@ class RowParallelLinear(_TPLayer):
             raise ValueError("sequence parallelism needs input_is_parallel=True")
         self.partitions = {"weight": (1, None, None)}
         device = default_device(tp_group) if device is None else device
-        self.weight = self._make(_full_weight((out_features, in_features), init_method, None), "weight",
-                                 params_dtype, device)
+        self.param_inits = {}
+        shape = (out_features, in_features)
+        self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, None), params_dtype, device)
         if bias:
-            self.bias = self._make(torch.zeros(out_features), "bias", params_dtype, device)
+            self.bias = self._make("bias", (out_features,), lambda: torch.zeros(out_features), params_dtype, device)
         else:
             self.register_parameter("bias", None)
 
@@ -225,8 +259,10 @@ class VocabParallelEmbedding(_TPLayer):
         self.vocab_end = self.vocab_start + per_rank
         self.partitions = {"weight": (0, None, self.vocab_size)}
         device = default_device(tp_group) if device is None else device
-        full = _full_weight((num_embeddings, embedding_dim), init_method, self.vocab_size)
-        self.weight = self._make(full, "weight", params_dtype, device)
+        self.param_inits = {}
+        shape = (num_embeddings, embedding_dim)
+        self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, self.vocab_size),
+                                 params_dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.p == 1:

@@ -41,16 +41,17 @@ def build_configs(args) -> tuple[GPTConfig, OptimizerConfig]:
     return model_config, OptimizerConfig.from_args(args)
 
 
-def default_model_provider(model_config: GPTConfig, topo: Topology, micro_batch_size: int):
-    """The GPT: layers split over PP x VP in Megatron's interleaved order."""
+def default_model_provider(model_config: GPTConfig, topo: Topology, micro_batch_size: int, device=None):
+    """The GPT: layers split over PP x VP in Megatron's interleaved order (``device="meta"``
+    under ZeRO-3: nothing drawn until ZeRO materializes each unit into its shard)."""
     from megazero.model.stages import gpt_stages
-    return gpt_stages(model_config, topo, micro_batch_size)
+    return gpt_stages(model_config, topo, micro_batch_size, device=device)
 
 
 def setup(args, model_provider=None, forward_step_func=None):
     """Build everything one rank trains with, in the order of the module docstring; returns the
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded."""
-    from megazero.model.stages import gpt_forward_step
+    from megazero.model.stages import gpt_forward_step, provider_options
     from megazero.pipeline import PipelineRunner
     from megazero.training.logger import TensorBoardLogger
     from megazero.training.loop import Trainer
@@ -69,12 +70,14 @@ def setup(args, model_provider=None, forward_step_func=None):
     torch.manual_seed(args.seed + 100 * topo.pp_rank)                                                # 4
     np.random.seed(args.seed)
     datasets = build_datasets(args, model_config.vocab_size)                                         # 5
-    stages = (model_provider or default_model_provider)(model_config, topo, args.micro_batch_size)   # 6
-    for chunk in stages.chunks:
+    provider = model_provider or default_model_provider  # ZeRO-3: built on the meta device if it can  # 6
+    stages = provider(model_config, topo, args.micro_batch_size, **provider_options(provider, args.zero_stage))
+    for chunk in stages.chunks if stages.param_init is None else ():  # meta: ZeRO materializes on `device`
         chunk.to(device)
     optimizer = ZeroOptimizer(stages.chunks, topo, **optimizer_config.kwargs(),                      # 7
                               shared_params=stages.shared_params,
-                              tp_duplicated_params=stages.tp_duplicated_params)
+                              tp_duplicated_params=stages.tp_duplicated_params,
+                              param_init=stages.param_init, device=device)
     runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape,                   # 8
                             stages.activation_dtype)
     trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9

@@ -48,7 +48,11 @@ class ZeroOptimizer:
     The optimizer knows no model: both lists come from the model's ``ModelStages``.
     ``decoupled_weight_decay``: AdamW's decoupled decay (True) or L2 added to the gradient
     before the moments (False: ``torch.optim.Adam(weight_decay=...)``, DeepSpeed's Adam with
-    ``adam_w_mode`` false); see :func:`~megazero.zero.adamw.adamw_step`."""
+    ``adam_w_mode`` false); see :func:`~megazero.zero.adamw.adamw_step`.
+    ``param_init``/``device``: for chunks built on the meta device (``ModelStages.param_init``),
+    each parameter's initial value and where to put it; each region materializes its own
+    parameters, so at stage 3 no rank holds more than one unit's full parameters while building
+    (``build_peak_unit_bytes``)."""
 
     def __init__(self, model_chunks, topo, *, stage: int = 0, num_micro_batches: int = 1, lr: float = 1e-4,
                  weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
@@ -59,7 +63,8 @@ class ZeroOptimizer:
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True,
                  prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None):
+                 shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None,
+                 param_init=None, device=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -69,6 +74,8 @@ class ZeroOptimizer:
         self.overlap = overlap_comm
         trainable = trainable_params(chunks)
         self.device, self.params_dtype = cast_params(trainable, params_dtype)
+        if self.device.type == "meta":  # built on the meta device: materialized by the regions below
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
         if accumulate_in_fp32 is None:
             accumulate_in_fp32 = self.params_dtype == torch.bfloat16
         fp32 = accumulate_in_fp32 or self.params_dtype == torch.float32
@@ -81,11 +88,13 @@ class ZeroOptimizer:
         self.comm = Collectives(groups, dist.get_backend(), primitives)
         uncounted = {p for p in tp_duplicated_params if topo.tp_rank != 0}
         uncounted |= {p for p, name in shared_of.items() if groups[name][2] != 0}
-        ctx = RegionContext(self.comm, stage, self.M, topo.dp, topo.dp_rank, self.grad_dtype, frozenset(uncounted))
+        ctx = RegionContext(self.comm, stage, self.M, topo.dp, topo.dp_rank, self.grad_dtype, frozenset(uncounted),
+                            param_init=param_init, device=self.device)
         built = build_regions(ctx, chunks, trainable, shared_of, reduce_bucket_size=reduce_bucket_size,
                               param_persistence_threshold=param_persistence_threshold, units=units)
         self.regions: list[Region] = built.regions
         self.persistent_numel = built.persistent_numel
+        self.build_peak_unit_bytes = built.peak_unit_bytes
         self.phi = sum(r.numel for r in self.regions)
         self.gatherer = None
         if built.units:

@@ -44,6 +44,16 @@ def _merge(segments):
     return out
 
 
+def _initial_value(param_init, p: torch.Tensor) -> torch.Tensor:
+    """``param_init(p)`` for a meta parameter, checked against its shape."""
+    if param_init is None:
+        raise ValueError("a parameter is on the meta device but no param_init was given to materialize it")
+    value = param_init(p)
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"param_init gave shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}")
+    return value
+
+
 class Region:
     """Flat parameters, gradients and the optimizer shard of a list of same-dtype parameters.
 
@@ -55,7 +65,7 @@ class Region:
 
     def __init__(self, params, counted, *, comm: Collectives, dp_size: int, dp_rank: int, stage: int,
                  partitioned: bool, flush_every: int, keep_full_grad: bool, grad_dtype: torch.dtype,
-                 shared: str | None = None, chunk: int = 0):
+                 shared: str | None = None, chunk: int = 0, param_init=None, device=None):
         self.comm, self.stage, self.partitioned, self.shared, self.chunk = comm, stage, partitioned, shared, chunk
         self.flush_every = flush_every
         self.params = list(params)
@@ -64,7 +74,7 @@ class Region:
             raise ValueError(f"a region holds one dtype, got {dtypes}")
         self.dtype = dtypes.pop()
         self.grad_dtype = grad_dtype
-        device = self.params[0].device
+        device = self.params[0].device if device is None else torch.device(device)
         self.offsets, off = [], 0
         for p in self.params:
             self.offsets.append(off)
@@ -75,11 +85,18 @@ class Region:
         self.shard_len = self.padded // n
         self.shard_lo = (dp_rank if stage >= 1 else 0) * self.shard_len
 
-        # parameters: views of one flat buffer (released between uses when partitioned)
+        # parameters: views of one flat buffer (released between uses when partitioned); a meta
+        # parameter is materialized here, one at a time, from param_init (so a partitioned
+        # region holds at most its own full parameters, and only until release() below)
         self.param_flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
         for p, o in zip(self.params, self.offsets):
-            self.param_flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.param_flat[o:o + p.numel()].view(p.shape)
+            view = self.param_flat[o:o + p.numel()].view(p.shape)
+            if p.is_meta:  # same Parameter object, now a view (.data cannot change device)
+                view.copy_(_initial_value(param_init, p))
+                torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+            else:
+                view.copy_(p.detach())
+                p.data = view
         shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
         self.master = shard.float().clone()
         self.exp_avg = torch.zeros_like(self.master)

@@ -14,6 +14,10 @@ and, for stage 3, the units to gather. It keeps no state and closes over no opti
 * then one region per tie group (``shared_params``), flushed only in ``finish_grad_sync`` after
   its gradient was summed over the group.
 
+Parameters on the meta device are materialized by the region that takes them
+(``ctx.param_init``), so at stage 3 each unit's full parameters exist only while its region is
+built: ``peak_unit_bytes`` records the most that were alive at once (one unit, when all is well).
+
 A parameter's gradient enters the global norm on this rank unless it is in ``uncounted``
 (TP-duplicated off TP rank 0, or a tied copy off its group's first rank).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -41,6 +46,8 @@ class RegionContext:
     dp_rank: int
     grad_dtype: torch.dtype
     uncounted: frozenset = frozenset()
+    param_init: Callable | None = None   # values of meta-device parameters (materialized per region)
+    device: torch.device | None = None   # where meta-device parameters are materialized
 
     def region(self, params, chunk: int, *, partitioned: bool = False, flush_every: int | None = None,
                keep_full: bool | None = None, shared: str | None = None) -> Region:
@@ -50,7 +57,8 @@ class RegionContext:
         keep = keep_full if keep_full is not None else self.stage <= 1
         return Region(params, [p not in self.uncounted for p in params], comm=self.comm, dp_size=self.dp_size,
                       dp_rank=self.dp_rank, stage=self.stage, partitioned=partitioned, flush_every=flush,
-                      keep_full_grad=keep, grad_dtype=self.grad_dtype, shared=shared, chunk=chunk)
+                      keep_full_grad=keep, grad_dtype=self.grad_dtype, shared=shared, chunk=chunk,
+                      param_init=self.param_init, device=self.device)
 
 
 @dataclass
@@ -62,6 +70,7 @@ class Regions:
     regions: list[Region] = field(default_factory=list)
     units: list[tuple] = field(default_factory=list)
     persistent_numel: int = 0
+    peak_unit_bytes: int = 0  # most bytes of partitioned regions' full parameters alive at once while building
 
 
 def trainable_params(chunks) -> list[list[torch.nn.Parameter]]:
@@ -116,12 +125,18 @@ def _stage3_chunk(ctx: RegionContext, out: Regions, c: int, chunk, own: list, th
         ups = [p for p in ups if p in ownset and p not in pset]
         if ups:
             r = ctx.region(ups, c, partitioned=True, flush_every=1, keep_full=False)
+            out.peak_unit_bytes = max(out.peak_unit_bytes, _gathered_bytes(out.regions) + r.padded * r.param_flat.element_size())
             out.regions.append(r)
             out.units.append((module, r, c, module is chunk))
     if persistent:
         out.persistent_numel += sum(p.numel() for p in persistent)
         out.regions.append(ctx.region(list(reversed(persistent)), c, flush_every=ctx.num_micro_batches,
                                       keep_full=True))
+
+
+def _gathered_bytes(regions) -> int:
+    """Bytes of full parameters held by the partitioned regions (0 once each is released)."""
+    return sum(r.param_flat.untyped_storage().nbytes() for r in regions if r.partitioned)
 
 
 def build_regions(ctx: RegionContext, chunks, trainable, shared_of: dict, *, reduce_bucket_size: int,

@@ -81,6 +81,7 @@ class ParamGatherer:
         self.prefetch, self.max_live, self.reuse = prefetch_bucket_size, max_live_parameters, max_reuse_distance
         self.overlap = overlap
         self.live = 0  # gathered elements (padded)
+        self.peak_live = 0  # the most gathered at once (tests reset it to count a phase)
         self.clock = 0
         self.seen: list[int] = []  # first-step execution order (unit indices)
         self.order: dict[int, list[int]] | None = None  # chunk -> unit indices in forward order
@@ -136,6 +137,7 @@ class ParamGatherer:
             self._make_room(unit)
             unit.region.gather(async_op=False).wait()
             self.live += unit.region.padded
+            self.peak_live = max(self.peak_live, self.live)
         self.clock += 1
         unit.stamp = self.clock
 
@@ -146,6 +148,7 @@ class ParamGatherer:
             return
         unit.pending = unit.region.gather(async_op=True)
         self.live += unit.region.padded
+        self.peak_live = max(self.peak_live, self.live)
 
     def _release(self, unit) -> None:
         if unit.pending is not None:

@@ -27,7 +27,8 @@ def args_for(stage, M, **kw):
              fp16=False, bf16=False, loss_scale=None, initial_loss_scale=2.0 ** 32, min_loss_scale=1.0,
              loss_scale_window=1000, hysteresis=2, zero_reduce_bucket_size=2000,
              zero_overlap_comm=True, zero_prefetch_bucket_size=5000,
-             zero_param_persistence_threshold=0, zero_max_live_parameters=10 ** 9, zero_max_reuse_distance=0)
+             zero_param_persistence_threshold=0, zero_max_live_parameters=10 ** 9, zero_max_reuse_distance=0,
+             adam_w_mode=True)
     a.update(kw)
     return SimpleNamespace(**a)
 
