@@ -35,7 +35,8 @@ import torch
 
 from megazero.deepspeed_config import apply_deepspeed_config
 
-TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+              "HuggingFaceTokenizer", "NullTokenizer")  # = megazero.data.tokenizers.TOKENIZER_TYPES
 
 
 
@@ -92,6 +93,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GELU's tanh approximation (GPT-2's), as Megatron-LM's flag; default exact GELU")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
-from megazero.data.tokenizers import build_tokenizer  # noqa: E402
+from megazero.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 BATCH_LINES = 64
 
@@ -53,9 +53,9 @@ def get_args(argv=None):
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="count and skip lines that are not JSON or lack a key, instead of failing")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True,
-                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model; HuggingFaceTokenizer: a folder or tokenizer.json")
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
@@ -223,7 +223,10 @@ def preprocess(args) -> dict:
     A bad line without ``--skip-bad-lines`` raises SystemExit("error: FILE:LINE: what"); on any
     failure the temporary outputs are removed and earlier outputs are left untouched.
     """
-    dtype = optimal_dtype(build_tokenizer(args).vocab_size)
+    tokenizer = build_tokenizer(args)
+    if args.append_eod and (tokenizer.eod is None or tokenizer.eod < 0):
+        raise SystemExit(f"error: --append-eod: the {args.tokenizer_type} has no eod (eos) token")
+    dtype = optimal_dtype(tokenizer.vocab_size)
     finals = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

@@ -8,12 +8,14 @@ from megazero.data.gpt_dataset import (BlendedDataset, GPTDataset,
 from megazero.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                            IndexedDatasetError)
 from megazero.data.samplers import PretrainingSampler, build_pretraining_data_loader, collate
-from megazero.data.tokenizers import (GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer,
-                                      build_tokenizer)
+from megazero.data.tokenizers import (TOKENIZER_TYPES, GPT2BPETokenizer, GPTSentencePieceTokenizer,
+                                      HuggingFaceTokenizer, Llama2Tokenizer, NullTokenizer,
+                                      SentencePieceTokenizer, build_tokenizer)
 
 __all__ = [
     "BlendedDataset", "GPTDataset", "build_train_valid_test_datasets", "parse_data_path",
     "IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError",
     "PretrainingSampler", "build_pretraining_data_loader", "collate",
-    "GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer", "build_tokenizer",
+    "GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer", "HuggingFaceTokenizer", "TOKENIZER_TYPES", "build_tokenizer",
 ]

@@ -4,9 +4,11 @@ Every tokenizer exposes ``vocab_size`` (number of ids the model must embed, befo
 ``eod`` (the end-of-document id that ``--append-eod`` appends), ``tokenize(text) -> list[int]``
 and ``detokenize(ids) -> str``.
 
-* ``SentencePieceTokenizer`` (``--tokenizer-model m.model``): ids straight from sentencepiece.
-  ``eod`` is the id of the piece ``<eod>`` if the model has one (``tools/train_tokenizer.py``
-  names sentencepiece's end-of-sentence piece so), otherwise sentencepiece's ``eos_id``.
+* ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``
+  (``--tokenizer-model m.model``): Megatron-LM's three sentencepiece flavours, see
+  :mod:`megazero.data.sp_tokenizers` (special ids appended / plain ids / bos first).
+* ``HuggingFaceTokenizer`` (``--tokenizer-model`` a folder or ``tokenizer.json``): see
+  :mod:`megazero.data.hf_tokenizer` (needs the optional ``tokenizers`` package).
 * ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): GPT-2's byte-level
   BPE. Text -> UTF-8 bytes; the text is first split with GPT-2's regular expression
   (contractions ``'s 't 're 've 'm 'll 'd``, an optional space plus letters, plus digits, plus
@@ -26,10 +28,21 @@ from __future__ import annotations
 
 import json
 
+from megazero.data.hf_tokenizer import HuggingFaceTokenizer
+from megazero.data.sp_tokenizers import (GPTSentencePieceTokenizer, Llama2Tokenizer,
+                                         SentencePieceTokenizer)
+
 __all__ = [
-    "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "build_tokenizer",
-    "bytes_to_unicode", "GPT2_PATTERN",
+    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
+    "GPT2BPETokenizer", "NullTokenizer", "build_tokenizer", "TOKENIZER_TYPES", "TOKENIZER_FLAGS",
+    "saved_tokenizer_flags", "bytes_to_unicode", "GPT2_PATTERN",
 ]
+
+# --tokenizer-type values (Megatron-LM's names) -> the flag holding the file(s) each one reads.
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+# the tokenizer's flags, as argparse dests (what a checkpoint records and generate.py reads back)
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 # GPT-2's pre-tokenization pattern (OpenAI encoder.py), for the `regex` package (\p classes).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -145,45 +158,6 @@ class GPT2BPETokenizer:
         return bytes(self.byte_decoder[c] for c in text).decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer:
-    """A sentencepiece ``.model``; ``eod`` is piece ``<eod>`` if present, else ``eos_id``."""
-
-    def __init__(self, model_file: str):
-        import sentencepiece as spm
-
-        self.model_file = model_file
-        self.sp = spm.SentencePieceProcessor(model_file=model_file)
-        eod = self.sp.piece_to_id("<eod>")
-        if eod == self.sp.unk_id() or self.sp.id_to_piece(eod) != "<eod>":
-            eod = self.sp.eos_id()
-        if eod < 0:
-            raise ValueError(f"{model_file}: no <eod> piece and no eos id to use as eod")
-        self._eod = eod
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.vocab_size()
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.sp.encode(text, out_type=int)
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode(texts, out_type=int, num_threads=1)
-
-    def detokenize(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
-
-    def __getstate__(self):
-        return {"model_file": self.model_file}
-
-    def __setstate__(self, state):
-        self.__init__(state["model_file"])
-
-
 class NullTokenizer:
     """Whitespace-separated integer ids in [0, N); ``vocab_size = N``, ``eod = N - 1``."""
 
@@ -214,8 +188,9 @@ class NullTokenizer:
 def build_tokenizer(args):
     """Build the tokenizer named by ``args.tokenizer_type`` from Megatron's flags.
 
-    Reads ``tokenizer_model`` (SentencePieceTokenizer), ``vocab_file`` and ``merge_file``
-    (GPT2BPETokenizer), ``vocab_size`` (NullTokenizer). Missing attributes count as unset.
+    Reads ``tokenizer_model`` (the sentencepiece types: a ``.model``; HuggingFaceTokenizer: a
+    folder or ``tokenizer.json``), ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer),
+    ``vocab_size`` (NullTokenizer). Missing attributes count as unset.
     """
     kind = getattr(args, "tokenizer_type", None)
 
@@ -225,13 +200,34 @@ def build_tokenizer(args):
             raise ValueError(f"--tokenizer-type {kind} needs {flag}")
         return value
 
-    if kind == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(need("tokenizer_model", "--tokenizer-model"))
+    sentencepiece = {"SentencePieceTokenizer": SentencePieceTokenizer, "Llama2Tokenizer": Llama2Tokenizer,
+                     "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                     "HuggingFaceTokenizer": HuggingFaceTokenizer}
+    if kind in sentencepiece:
+        return sentencepiece[kind](need("tokenizer_model", "--tokenizer-model"))
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(need("vocab_file", "--vocab-file"),
                                 need("merge_file", "--merge-file"))
     if kind == "NullTokenizer":
         return NullTokenizer(need("vocab_size", "--vocab-size"))
-    raise ValueError(f"unknown --tokenizer-type {kind!r}; expected SentencePieceTokenizer, "
-                     "GPT2BPETokenizer or NullTokenizer")
+    raise ValueError(f"unknown --tokenizer-type {kind!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 
+
+def saved_tokenizer_flags(saved_args: dict, checkpoint_dir: str) -> dict:
+    """The tokenizer flags a checkpoint recorded (``TOKENIZER_FLAGS`` found in its saved args).
+
+    A relative path that exists under ``checkpoint_dir`` comes back joined to it (``from-hf``
+    records ``tokenizer``, the folder it copies the files into, so the checkpoint can move);
+    other paths come back as recorded. Empty when no ``tokenizer_type`` was recorded.
+    """
+    import os
+
+    if not saved_args.get("tokenizer_type"):
+        return {}
+    flags = {"tokenizer_type": saved_args["tokenizer_type"]}
+    for key in TOKENIZER_FLAGS[1:]:
+        value = saved_args.get(key)
+        if value is not None:
+            inside = os.path.join(checkpoint_dir, value)
+            flags[key] = inside if not os.path.isabs(value) and os.path.exists(inside) else value
+    return flags

@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 byte-level BPE exactness, sentencepiece eod, NullTokenizer, factory."""
+"""Tokenizers: GPT-2 byte-level BPE exactness, sentencepiece eod, NullTokenizer, factory
+(Megatron's other types: test_megatron_tokenizers.py)."""
 import argparse
 import json
 import random
@@ -99,16 +100,16 @@ def test_gpt2_roundtrip_and_cache(gpt2_files, tricky):
     assert tok.eod == tok.vocab_size - 1
 
 
-def test_sentencepiece_eod_and_roundtrip(sp_model):
+def test_sentencepiece_is_megatrons(sp_model):
+    """Megatron's SentencePieceTokenizer: <CLS> <SEP> <EOD> <MASK> <PAD> appended after the 600
+    pieces; <s> and the eos piece (named <eod> by train_tokenizer.py) keep their ids."""
     tok = SentencePieceTokenizer(sp_model)
-    assert tok.eod == 2 and tok.sp.id_to_piece(2) == "<eod>"
-    assert tok.vocab_size == 600
+    assert tok.vocab_size == 605 and tok.eod == 602 and tok.sp.id_to_piece(2) == "<eod>"
+    assert (tok.cls, tok.sep, tok.mask, tok.pad, tok.bos, tok.eos) == (600, 601, 603, 604, 1, 2)
     text = "In the beginning God created the heaven and the earth."
+    assert tok.tokenize(text) == tok.sp.encode(text)
     assert tok.detokenize(tok.tokenize(text)) == text
-    assert tok.tokenize_batch([text, "x"]) == [tok.tokenize(text), tok.tokenize("x")]
-    assert tok.eod not in tok.tokenize("<eod> and </s>")  # control piece, not produced by text
-
-
+    assert tok.tokenize_batch([text, "x<EOD>"]) == [tok.tokenize(text), tok.tokenize("x<EOD>")]
 def test_null_tokenizer():
     tok = NullTokenizer(100)
     assert tok.vocab_size == 100 and tok.eod == 99
@@ -129,5 +130,7 @@ def test_build_tokenizer(sp_model, gpt2_files):
     with pytest.raises(ValueError, match="--merge-file"):
         build_tokenizer(ns(tokenizer_type="GPT2BPETokenizer", vocab_file=gpt2_files[0],
                            merge_file=None))
+    for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        assert type(build_tokenizer(ns(tokenizer_type=kind, tokenizer_model=sp_model))).__name__ == kind
     with pytest.raises(ValueError, match="unknown --tokenizer-type"):
         build_tokenizer(ns(tokenizer_type="BertWordPiece"))
