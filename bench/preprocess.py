@@ -75,7 +75,7 @@ def main():
         vocab, merges = train_byte_level_bpe(texts, args.bpe_merges)
         write_gpt2_files(vocab, merges, f"{tmp}/vocab.json", f"{tmp}/merges.txt")
         rows.append((f"train byte-level BPE ({len(vocab)} ids)", time.perf_counter() - t0, None))
-        kinds = {"sentencepiece": ["--tokenizer-type", "SentencePieceTokenizer",
+        kinds = {"sentencepiece": ["--tokenizer-type", "GPTSentencePieceTokenizer",
                                    "--tokenizer-model", f"{tmp}/sp.model"],
                  "gpt2-bpe": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
                               f"{tmp}/vocab.json", "--merge-file", f"{tmp}/merges.txt"]}

@@ -47,7 +47,7 @@ if [[ "${MOCK:-0}" == 1 ]]; then
   DATA=(--mock-data --vocab-size 32000)
 else
   DATA=(--data-path "$DATA_PATH" --split 969,30,1
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
 fi
 LOGGING=(--log-interval 10 --eval-interval 1000 --eval-iters 10
   --save "$OUT/checkpoints" --save-interval 1000 --load "$OUT/checkpoints"

@@ -32,7 +32,7 @@ CMD=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 8 pretrain
   --micro-batch-size 4 --global-batch-size 32 --train-iters "$TRAIN_ITERS"
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0
   --data-path "$DATA/kjv_text_document" --split 98,2,0
-  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/kjv_sp.model"
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "$DATA/kjv_sp.model"
   --log-interval 10 --eval-interval 50 --eval-iters 2
   --save "$OUT/checkpoints" --save-interval 100 --tensorboard-dir "$OUT/tensorboard")
 

@@ -40,9 +40,9 @@ if [[ -f "${PREFIX}_text_document.bin" && -f "${PREFIX}_text_document.idx" \
 else
   echo "prepare_demo_data: tokenizing $CORPUS -> ${PREFIX}_text_document.{bin,idx}"
   "$PYTHON" "$ROOT/tools/preprocess_data.py" --input "$CORPUS" --json-keys text \
-    --output-prefix "$PREFIX" --tokenizer-type SentencePieceTokenizer \
+    --output-prefix "$PREFIX" --tokenizer-type GPTSentencePieceTokenizer \
     --tokenizer-model "$MODEL" --append-eod --workers "$WORKERS"
 fi
 
 echo "prepare_demo_data: train with --data-path ${PREFIX}_text_document" \
-     "--tokenizer-type SentencePieceTokenizer --tokenizer-model $MODEL"
+     "--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model $MODEL"

@@ -6,7 +6,8 @@
 
 Writes ``{output-prefix}.model`` and ``{output-prefix}.vocab`` (renamed into place only when
 training succeeded). Ids 0, 1, 2 are ``<unk>``, ``<s>`` and ``<eod>`` (sentencepiece's
-end-of-sentence piece, renamed), so ``SentencePieceTokenizer.eod == 2``; there is no pad piece.
+end-of-sentence piece, renamed), so ``GPTSentencePieceTokenizer.eod == 2`` (Megatron's
+``SentencePieceTokenizer`` appends its own ``<EOD>``, id 4098 for 4096 pieces); no pad piece.
 ``--byte-fallback`` (on by default) adds 256 byte pieces so any UTF-8 text round-trips without
 ``<unk>``.
 
