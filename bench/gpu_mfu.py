@@ -102,39 +102,34 @@ def sdpa_context(backend: str, device: torch.device):
                         "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend])
 
 
-def run(a) -> dict:
-    from megazero.arguments import parse_args
-    from megazero.parallel.launch import init_distributed
-    from megazero.training.logger import model_flops_per_iteration
-    from megazero.parallel.topology import Topology
-    from megazero.training.build import build_model_and_optimizer, run_schedule
-
-    backend = None if a.device == "cuda" else "gloo"
-    argv = megatron_argv(a)
-    args = parse_args(argv, world_size=1, prog="gpu_mfu")
-    launch, device = init_distributed(backend)
-    if a.device == "cuda" and device.type != "cuda":
-        raise SystemExit("no CUDA device: run with --tiny (or --device cpu) on CPU")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    topo = Topology(1, 0).create_groups()
-    torch.manual_seed(args.seed)
-    chunks, opt = build_model_and_optimizer(args, topo, device)
-    n_params = sum(p.numel() for c in chunks for p in c.parameters())
-
+def micro_batches(args, vocab_size: int, device) -> list[dict]:
+    """M micro-batches of random tokens, made once on ``device``."""
     g = torch.Generator(device=device).manual_seed(1234)
     b, s = args.micro_batch_size, args.seq_length
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
     mbs = []
     for _ in range(args.num_micro_batches):
-        text = torch.randint(0, args.vocab_size, (b, s + 1), device=device, generator=g)
+        text = torch.randint(0, vocab_size, (b, s + 1), device=device, generator=g)
         mbs.append({"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(), "position_ids": pos,
                     "loss_mask": torch.ones(b, s, device=device)})
+    return mbs
 
+
+def gib(n_bytes: float) -> float:
+    return round(n_bytes / 2**30, 3)
+
+
+def timed_steps(a, trainer, mbs) -> dict:
+    """Run warmup + timed steps; per-step seconds, window seconds, losses, norms, memory per phase.
+
+    Memory phases (CUDA only; ``torch.cuda.max_memory_allocated`` since the previous mark):
+    ``after_build`` (allocated once model and optimizer exist), ``peak_first_step`` (the first
+    step's peak: activations + gradients + lazily made optimizer state), ``peak`` (whole run)."""
+    device = trainer.device
     cuda = device.type == "cuda"
+    mem = {"after_build": gib(torch.cuda.memory_allocated(device))} if cuda else {}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    lr = args.lr
     times, losses, norms = [], [], []
     with sdpa_context(a.sdpa_backend, device):
         for i in range(a.warmup + a.steps):
@@ -142,47 +137,65 @@ def run(a) -> dict:
                 if cuda:
                     torch.cuda.synchronize(device)
                 t_window = time.perf_counter()
+            t0, ev = time.perf_counter(), None
             if cuda:
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ev0.record()
-            else:
-                t0 = time.perf_counter()
-            opt.zero_grad()
-            step_losses = run_schedule(args, chunks, mbs, topo, grad_scale=opt.loss_scale)
-            opt.finish_grad_sync()
-            ok, gnorm = opt.step(lr)  # the step's one host sync (grad norm for clipping)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+            step_losses, ok, gnorm = trainer.train_step(mbs)  # one host sync: the grad norm for clipping
             if cuda:
-                ev1.record()
-                times.append((ev0, ev1))
-            else:
-                times.append(time.perf_counter() - t0)
+                ev[1].record()
+                if i == 0:
+                    mem["peak_first_step"] = gib(torch.cuda.max_memory_allocated(device))
+            times.append(ev if cuda else time.perf_counter() - t0)
             losses.append(torch.stack([l.float() for l in step_losses]).mean())
             norms.append(gnorm)
         if cuda:
             torch.cuda.synchronize(device)
+            mem["peak"] = gib(torch.cuda.max_memory_allocated(device))
         window = time.perf_counter() - t_window
     step_s = [e0.elapsed_time(e1) / 1e3 for e0, e1 in times] if cuda else times
-    step_s = step_s[a.warmup:]
-    per_iter = window / a.steps
-    flops = model_flops_per_iteration(args)
+    return {"step_s": step_s[a.warmup:], "window": window, "losses": [round(float(l), 4) for l in losses],
+            "norms": norms, "memory": mem}
+
+
+def run(a) -> dict:
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    from megazero.training.logger import model_flops_per_iteration
+
+    backend = None if a.device == "cuda" else "gloo"
+    argv = megatron_argv(a)
+    args = parse_args(argv, world_size=1, prog="gpu_mfu")
+    if backend is not None:
+        args = args.replace(distributed_backend=backend)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    trainer = setup(args)  # the run's own build order: model, ZeRO optimizer, pipeline runner
+    device, chunks, opt = trainer.device, trainer.chunks, trainer.optimizer
+    if a.device == "cuda" and device.type != "cuda":
+        raise SystemExit("no CUDA device: run with --tiny (or --device cpu) on CPU")
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    r = timed_steps(a, trainer, micro_batches(args, trainer.model_config.vocab_size, device))
+    cuda = device.type == "cuda"
+    per_iter = r["window"] / a.steps
+    flops = model_flops_per_iteration(trainer.model_config, args.global_batch_size)
     tokens = args.global_batch_size * args.seq_length
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = a.peak_tflops or (peak_tflops(name) if cuda else None)
-    loss_values = [round(float(l), 4) for l in losses]
     return {
         "bench": "gpu_mfu", "date": datetime.date.today().isoformat(), "device": name,
         "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
         "arch": a.arch, "tiny": a.tiny, "params": n_params, "dtype": a.dtype, "zero_stage": args.zero_stage,
         "recompute": a.recompute, "sdpa_backend": a.sdpa_backend if cuda else "default (CPU)",
-        "seq_length": s, "micro_batch_size": b, "num_micro_batches": args.num_micro_batches,
-        "tokens_per_step": tokens, "steps": a.steps, "warmup": a.warmup,
-        "median_step_s": round(statistics.median(step_s), 5), "mean_step_s": round(per_iter, 5),
+        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+        "num_micro_batches": args.num_micro_batches, "tokens_per_step": tokens, "steps": a.steps, "warmup": a.warmup,
+        "median_step_s": round(statistics.median(r["step_s"]), 5), "mean_step_s": round(per_iter, 5),
         "tokens_per_s": round(tokens / per_iter, 1),
         "model_tflop_per_step": float(f"{flops / 1e12:.4g}"),
         "achieved_tflops": float(f"{flops / per_iter / 1e12:.4g}"),
         "peak_tflops": peak, "mfu": float(f"{flops / per_iter / (peak * 1e12):.4g}") if peak else None,
-        "max_memory_allocated_GiB": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
-        "loss_first_last": [loss_values[0], loss_values[-1]], "grad_norm_last": norms[-1],
+        "max_memory_allocated_GiB": r["memory"].get("peak") if cuda else None, "memory_GiB": r["memory"] or None,
+        "loss_first_last": [r["losses"][0], r["losses"][-1]], "grad_norm_last": r["norms"][-1],
         "skipped": opt.skipped_iterations,
         "megatron_flags": " ".join(argv),
     }

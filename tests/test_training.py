@@ -160,3 +160,20 @@ def test_killed_rank_makes_the_others_fail_fast():
     with pytest.raises(RankFailure, match=r"first: rank 1\).*\n.*\n.*exit code -9") as exc:
         run_distributed(_one_rank_dies, 4, argv, timeout_s=120, grace_s=60)
     assert "still running" not in str(exc.value)  # every survivor returned (with its error) within the grace
+
+
+def _fp16_counts(rank, world_size, argv):
+    from megazero.training import setup
+    trainer = setup(parse_args(argv, world_size=world_size))
+    trainer.train(None)
+    return trainer.iteration, trainer.skipped, trainer.scheduler.num_steps, trainer.consumed_samples
+
+
+def test_fp16_overflow_steps_do_not_advance_the_lr_schedule():
+    """Megatron's train_step: a skipped (overflow) step leaves the LR schedule where it was, while
+    the iteration and consumed samples still count it. 2^24 overflows fp16 gradients at first;
+    the dynamic scaler halves it each skipped step until steps apply."""
+    argv = TINY + MOCK + ["--train-iters", "12", "--fp16", "--initial-loss-scale", str(2.0 ** 24), "--hysteresis", "1"]
+    iteration, skipped, scheduler_steps, consumed = run_distributed(_fp16_counts, 1, argv, timeout_s=120)[0]
+    assert iteration == 12 and consumed == 12 * 8
+    assert 0 < skipped < 12 and scheduler_steps == iteration - skipped

@@ -169,8 +169,11 @@ class Trainer:
             self.save()
 
     def _count_step(self, ok: bool, grad_norm) -> None:
-        """After a step: LR schedule, iteration and sample counters, skip/NaN counters."""
-        self.scheduler.step()
+        """After a step: iteration and sample counters; the LR schedule advances only on an
+        applied step (a skipped fp16-overflow step leaves it where it was, as Megatron-LM's
+        ``train_step`` and DeepSpeed's ``_take_model_step`` do); skip/NaN counters."""
+        if ok:
+            self.scheduler.step()
         self.iteration += 1
         self.consumed_samples += self.args.global_batch_size
         if not ok:
