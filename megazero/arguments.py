@@ -25,7 +25,6 @@ later step can change what the flags said (use :meth:`Arguments.replace` for a m
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -75,9 +74,8 @@ class Arguments(argparse.Namespace):
         return {k: v for k, v in vars(self).items() if k != "_frozen"}
 
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The network's shape, regularization and initialization (Megatron's names)."""
     g = p.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)
@@ -108,6 +106,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
 
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """Batches, iterations, learning rate, evaluation and logging."""
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
@@ -121,10 +126,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--pipeline-trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of the pipeline schedule of one step")
 
-    g = p.add_argument_group("initialization")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-
     g = p.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -132,9 +133,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
 
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """Checkpointing and mixed precision."""
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints from host copies in a background thread (Megatron's flag)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--load", default=None)
@@ -153,6 +167,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="accumulate and reduce gradients in fp32 (always on with --bf16)")
 
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The parallel layout, the process groups and ZeRO (DeepSpeed's names via --deepspeed-config)."""
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -176,10 +193,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="accepted for DeepSpeed launch scripts; no effect (as in DeepSpeed: a helper flag)")
     p.set_defaults(adam_w_mode=True, deepspeed_scheduler=None)  # set from the config's optimizer/scheduler
 
-    g = p.add_argument_group("validation")
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
 
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """Datasets and tokenizers."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--mock-data", action="store_true", help="random tokens instead of --data-path")
@@ -191,9 +207,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None)
 
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
+    for add_flags in (_model_flags, _training_flags, _checkpoint_flags, _parallel_flags, _data_flags):
+        add_flags(p)
     return p
 
 
@@ -237,9 +256,8 @@ def derive(args) -> None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def validate(parser, args) -> None:
-    """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does."""
-    err = lambda msg: _fail(parser, msg)  # noqa: E731
+def _validate_grid(err, args) -> None:
+    """TP and PP at least 1, and TP x PP divides the world size."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, name) < 1:
@@ -247,25 +265,12 @@ def validate(parser, args) -> None:
     if world % (tp * pp):
         err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp}")
+
+
+def _validate_layout(err, args) -> None:
+    """Layers split evenly over PP (x VP); the global batch over micro-batches x DP."""
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     dp = world // (tp * pp)
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    h, heads = args.hidden_size, args.num_attention_heads
-    if h is not None and h % tp:
-        err(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}")
-    if heads is not None:
-        if heads % tp:
-            err(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
-        if h is not None and args.kv_channels is None and h % heads:
-            err(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}")
-        groups = args.num_query_groups
-        if groups is not None:
-            if groups < 1 or heads % groups:
-                err(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
-            if groups % tp:
-                err(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
     if args.num_layers is not None:
         if args.num_layers % pp:
             err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
@@ -285,31 +290,66 @@ def validate(parser, args) -> None:
         if args.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and m % pp:
             err(f"with interleaving, the number of micro-batches {m} (--global-batch-size {gbs} / "
                 f"(--micro-batch-size {mbs} x DP {dp})) must be a multiple of --pipeline-model-parallel-size {pp}")
-    if args.fp16 and args.bf16:
-        err("--fp16 and --bf16 are mutually exclusive")
     if args.sequence_parallel and tp == 1:
-        warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turning it off", stacklevel=2)
+        warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turning it off", stacklevel=3)
         args.sequence_parallel = False
+
+
+def _validate_model(err, args) -> None:
+    """Positive sizes; hidden size, heads and query groups divisible as attention and TP need."""
+    tp = args.tensor_model_parallel_size
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    h, heads = args.hidden_size, args.num_attention_heads
+    if h is not None and h % tp:
+        err(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}")
+    if heads is not None:
+        if heads % tp:
+            err(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+        if h is not None and args.kv_channels is None and h % heads:
+            err(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}")
+        groups = args.num_query_groups
+        if groups is not None:
+            if groups < 1 or heads % groups:
+                err(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+            if groups % tp:
+                err(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
     if (args.position_embedding_type == "learned_absolute" and args.seq_length is not None
             and args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings):
         err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings} "
             "with learned absolute positions")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        err("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
+        err("--recompute-method needs --recompute-num-layers")
+
+
+def _validate_run(err, args) -> None:
+    """Precision, ZeRO knobs, tokenizer, schedule; a --load folder that does not exist yet is
+    Megatron's first run of a requeue script: a warning, then training starts from scratch."""
+    if args.fp16 and args.bf16:
+        err("--fp16 and --bf16 are mutually exclusive")
     if args.zero_stage not in (0, 1, 2, 3):
         err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
     for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
                  "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
         if getattr(args, dest) < 0:
             err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
-    if args.load is not None and not os.path.isdir(args.load):
-        err(f"--load directory does not exist: {args.load}")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        err(f"--load {args.load} is not a directory")
     if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
         err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        err("--recompute-method needs --recompute-granularity full")
-    if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
-        err("--recompute-method needs --recompute-num-layers")
     if args.lr_warmup_iters < 0:
         err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+
+
+def validate(parser, args) -> None:
+    """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does."""
+    err = lambda msg: _fail(parser, msg)  # noqa: E731
+    for check in (_validate_grid, _validate_model, _validate_layout, _validate_run):
+        check(err, args)
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None):

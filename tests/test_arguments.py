@@ -79,7 +79,7 @@ def test_arguments_are_frozen_after_validation():
     (["--zero-stage", "4"], 8, ["--zero-stage", "4"]),
     (["--zero-reduce-bucket-size", "-5"], 8, ["--zero-reduce-bucket-size", "-5"]),
     (["--zero-max-live-parameters", "-1"], 8, ["--zero-max-live-parameters"]),
-    (["--load", "/nonexistent/ckpt"], 8, ["--load", "/nonexistent/ckpt"]),
+    (["--load", "/etc/hostname"], 8, ["--load /etc/hostname is not a directory"]),
     (["--tokenizer-type", "BertTokenizer"], 8, ["--tokenizer-type", "BertTokenizer"]),
     (["--recompute-method", "uniform"], 8, ["--recompute-method", "--recompute-granularity full"]),
     (["--group-query-attention"], 8, ["--group-query-attention", "--num-query-groups"]),

@@ -177,3 +177,14 @@ def test_fp16_overflow_steps_do_not_advance_the_lr_schedule():
     iteration, skipped, scheduler_steps, consumed = run_distributed(_fp16_counts, 1, argv, timeout_s=120)[0]
     assert iteration == 12 and consumed == 12 * 8
     assert 0 < skipped < 12 and scheduler_steps == iteration - skipped
+
+
+def test_first_run_with_load_pointing_at_a_missing_folder_starts_from_scratch(tmp_path):
+    """Megatron's requeue scripts pass --save X --load X from the first run on: a --load folder
+    that does not exist yet means "start from scratch", and the second run resumes from it."""
+    ck = str(tmp_path / "ck")
+    flags = TINY + MOCK + ["--save", ck, "--load", ck, "--lr-decay-iters", "10"]
+    first = train(1, flags + ["--train-iters", "2"])
+    assert [it for it, _ in first] == [1, 2]
+    second = train(1, flags + ["--train-iters", "3"])
+    assert [it for it, _ in second] == [3]
