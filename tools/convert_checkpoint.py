@@ -6,6 +6,8 @@ Hugging Face folders back to a megazero checkpoint.  One process, no torch.distr
     python tools/convert_checkpoint.py to-hf   --load DIR [--iteration N] --output HF_DIR [--arch gpt2|llama]
                                                [--dtype float32|bfloat16|float16]
     python tools/convert_checkpoint.py from-hf --hf HF_DIR --save DIR [--iteration 0] [--dtype float32]
+    python tools/convert_checkpoint.py from-megatron --load MEGATRON_DIR --save DIR [--iteration N]
+                                               [--vocab-size V] [--dtype float32]
 
 ``to-fp32`` (DeepSpeed's ``zero_to_fp32`` use-case): ``{name: full fp32 tensor}`` of the fp32
 master weights (the parameters when the checkpoint has no optimizer state), real vocabulary rows
@@ -13,13 +15,20 @@ only, tied output layer left out; written with ``torch.save``, loadable with ``w
 
 ``to-hf``: ``config.json`` + ``model.safetensors`` for ``GPT2LMHeadModel`` (learned positions,
 LayerNorm, GELU, biases, tied embeddings) or ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU);
-the tensor mapping is :mod:`megazero.model.hf`'s.  No tokenizer files are written.
+the tensor mapping is :mod:`megazero.model.hf`'s.  The checkpoint's tokenizer (recorded flags) is
+written as HF tokenizer files, so ``AutoTokenizer.from_pretrained(HF_DIR)`` loads it.
 
 ``from-hf``: a one-rank megazero checkpoint (TP 1, PP 1, DP 1, ZeRO 0) holding the weights and
 no optimizer state (``no_save_optim``), at ``--iteration`` (0 by default) with no LR-scheduler
 state.  ``pretrain_gpt.py --load DIR`` in any layout reshards it: fp32 masters = the weights,
 Adam moments zero, step 0 -- a fresh optimizer on the imported weights.  The matching model flags
-are printed.
+are printed (``--openai-gelu`` for GPT-2's tanh GELU).  The folder's tokenizer files are copied to
+``DIR/tokenizer/`` and the tokenizer type recorded, so ``generate.py --load DIR`` and
+``pretrain_gpt.py --load DIR`` need no tokenizer flag.
+
+``from-megatron``: the same from a Megatron-LM legacy checkpoint (``torch`` format:
+``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` or ``release/``), any TP x PP (x VP),
+legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.megatron`.
 
 Memory: the reader streams one full parameter at a time out of memory-mapped rank files; the
 output is built in memory once (about one copy of the weights), then written.
@@ -32,6 +41,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -61,51 +71,16 @@ def to_fp32(load: str, output: str, iteration: int | None = None) -> dict:
 
 
 # ---- megazero -> Hugging Face -----------------------------------------------------------------
-def arch_of_config(config) -> str:
-    return "llama" if config.position_embedding_type == "rope" else "gpt2"
-
-
-def hf_config(config, arch: str) -> dict:
-    """The HF ``config.json`` of a :class:`GPTConfig` (refusing what the architecture can't express)."""
-    c = config
-    if arch == "gpt2":
-        bad = [m for m, ok in (("learned_absolute positions", c.position_embedding_type == "learned_absolute"),
-                               ("LayerNorm", c.normalization == "LayerNorm"), ("biases", c.add_bias_linear),
-                               ("gelu/gelu_tanh", c.activation in ("gelu", "gelu_tanh")),
-                               ("no GQA", c.num_query_groups == c.num_attention_heads),
-                               ("kv_channels = hidden / heads", c.kv_channels * c.num_attention_heads == c.hidden_size))
-               if not ok]
-        if bad:
-            raise ValueError(f"GPT-2 export needs: {', '.join(bad)}")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
-                "n_positions": c.max_position_embeddings, "n_embd": c.hidden_size, "n_layer": c.num_layers,
-                "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size,
-                "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
-                "layer_norm_epsilon": c.norm_epsilon, "initializer_range": c.init_method_std,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": c.tied_embeddings, "torch_dtype": "float32"}
-    bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
-                           ("SwiGLU", c.activation == "swiglu")) if not ok]
-    if bad:
-        raise ValueError(f"Llama export needs: {', '.join(bad)}")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
-            "head_dim": c.kv_channels, "max_position_embeddings": c.max_position_embeddings,
-            "rms_norm_eps": c.norm_epsilon, "rope_theta": float(c.rotary_base),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(c.rotary_base)},
-            "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear, "hidden_act": "silu",
-            "initializer_range": c.init_method_std, "tie_word_embeddings": c.tied_embeddings,
-            "attention_dropout": 0.0, "torch_dtype": "float32"}
-
-
 def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None = None,
           dtype: str = "float32") -> str:
     from safetensors.torch import save_file
+
+    from megazero.data.hf_tokenizer import export_tokenizer_files
+    from megazero.data.tokenizers import build_tokenizer, saved_tokenizer_flags
     reader = CheckpointReader(load, iteration)
     config = GPTConfig.from_saved_args(reader.args)
-    arch = arch or arch_of_config(config)
-    cfg = dict(hf_config(config, arch), torch_dtype=dtype)
+    arch = arch or hfmap.arch_of_config(config)
+    cfg = dict(hfmap.hf_config_of(config, arch), torch_dtype=dtype)
     kind = "master" if reader.has_optimizer else "weight"
     state = {}
     for name, full in reader.iter_full_params(kind, DTYPES[dtype]):
@@ -113,13 +88,18 @@ def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None
     if config.tied_embeddings:
         state.pop("lm_head.weight", None)  # tied: transformers re-ties it to the input embedding
     os.makedirs(output, exist_ok=True)
+    flags = saved_tokenizer_flags(reader.args, load)
+    if flags and export_tokenizer_files(flags, output):
+        tok = build_tokenizer(SimpleNamespace(**flags, vocab_size=reader.args.get("vocab_size")))
+        cfg.update({k: v for k, v in (("bos_token_id", getattr(tok, "bos", None)), ("eos_token_id", tok.eod))
+                    if v is not None and v >= 0})
     save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2, sort_keys=True)
     return output
 
 
-# ---- Hugging Face -> megazero -----------------------------------------------------------------
+# ---- Hugging Face / Megatron-LM -> megazero -----------------------------------------------------
 def _hf_tensors(folder: str):
     """A getter of one HF tensor by name: memory-mapped safetensors, else a ``weights_only`` .bin."""
     st = os.path.join(folder, "model.safetensors")
@@ -140,7 +120,8 @@ def model_args(config, dtype: torch.dtype) -> dict:
             "params_dtype": str(dtype).replace("torch.", ""), "no_save_optim": True, "world_size": 1}
 
 
-def pretrain_flags(config) -> str:
+def pretrain_flags(config, tokenizer: dict | None = None) -> str:
+    """The model flags (and recorded tokenizer) to train an imported checkpoint with."""
     c = config
     flags = [f"--num-layers {c.num_layers}", f"--hidden-size {c.hidden_size}",
              f"--num-attention-heads {c.num_attention_heads}", f"--ffn-hidden-size {c.ffn_hidden_size}",
@@ -153,59 +134,83 @@ def pretrain_flags(config) -> str:
         flags.append(f"--kv-channels {c.kv_channels}")
     if c.position_embedding_type == "rope":
         flags.append(f"--rotary-base {int(c.rotary_base)}")
-    flags += [f for f, on in (("--swiglu", c.activation == "swiglu"), ("--disable-bias-linear", not c.add_bias_linear),
+    flags += [f for f, on in (("--swiglu", c.activation == "swiglu"), ("--openai-gelu", c.activation == "gelu_tanh"),
+                              ("--disable-bias-linear", not c.add_bias_linear),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
-    if c.activation == "gelu_tanh":
-        flags.append("(note: megazero trains with exact gelu; GPT-2 used the tanh approximation)")
+    if tokenizer:
+        flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
     return " ".join(flags)
 
 
-def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
-    """Write ``save/iter_NNNNNNN/`` (see module doc); returns the :class:`GPTConfig`."""
+def write_imported(save: str, config, full_tensor, iteration: int, dtype: str, extra_args: dict, source: str):
+    """A one-rank megazero checkpoint (TP 1, DP 1, ZeRO 0, no optimizer state) of ``config``'s
+    parameters, ``full_tensor(name)`` giving each full, unpadded tensor under megazero's names."""
     from megazero.checkpoint.reshard import named_parameters
     from megazero.model import GPTModel
     from megazero.model.gpt import WORD_EMBEDDING
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        cfg = json.load(fh)
-    arch = hfmap.arch_of(cfg)
-    config = hfmap.config_from_hf(cfg)
-    get, have = _hf_tensors(hf_dir)
-    mapping = hfmap.name_map(arch, config.num_layers)
     # templates give each parameter's module (TP split rule, vocab padding) without building the model:
     # embedding + head, and one layer whose names are renumbered
     ends = GPTModel(config, None, layer_start=0, layer_end=0, pre_process=True, post_process=True)
     layer = GPTModel(config, None, layer_start=0, layer_end=1, pre_process=False, post_process=False)
     entries = list(named_parameters([ends]))
     per_layer = list(named_parameters([layer]))
-    first = [e for e in entries if e[1].startswith("embedding.")]
-    ordered = first + [(0, name.replace("layers.0.", f"layers.{i}.", 1), m, pn, p, sp)
-                       for i in range(config.num_layers) for _, name, m, pn, p, sp in per_layer]
+    ordered = [e for e in entries if e[1].startswith("embedding.")]
+    ordered += [(0, name.replace("layers.0.", f"layers.{i}.", 1), m, pn, p, sp)
+                for i in range(config.num_layers) for _, name, m, pn, p, sp in per_layer]
     ordered += [e for e in entries if not e[1].startswith("embedding.")]
-    sd, params = {}, []
-    target = DTYPES[dtype]
+    sd, params, target = {}, [], DTYPES[dtype]
     for _, name, module, p_name, p, split in ordered:
-        sources = mapping[name]
-        missing = [s for s, _ in sources if s not in have]
-        if missing:
-            raise KeyError(f"{hf_dir}: {name} needs {missing}")
-        parts = [get(s).t() if transpose else get(s) for s, transpose in sources]
-        full = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+        full = full_tensor(name)
         local = full if split is None else split.to_local(full, 0, 1, local_rows=p.shape[split.dim])
         if tuple(local.shape) != tuple(p.shape):
-            raise ValueError(f"{name}: HF tensor gives {tuple(local.shape)}, expected {tuple(p.shape)}")
+            raise ValueError(f"{name}: the source gives {tuple(local.shape)}, expected {tuple(p.shape)}")
         sd[name] = local.to(target).contiguous()
         params.append(schema.ParamEntry(0, name, tuple(p.shape), split))
     del ends, layer
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
     index = schema.make_index([schema.index_entry(0, 0, 0, 0, params, regions=[])], aliases)
-    metadata = schema.metadata(iteration, 0, schema.layout(1, 1, 1, None, 1, 0, target), model_args(config, target),
-                               index, imported_from=os.path.abspath(hf_dir))
+    metadata = schema.metadata(iteration, 0, schema.layout(1, 1, 1, None, 1, 0, target),
+                               {**model_args(config, target), **extra_args}, index, imported_from=source)
     state = schema.rank_state([sd], scheduler=None, counters={"skipped": 0, "nans": 0})
     files.save_checkpoint(save, iteration, 0, state, metadata)
-    return config
 
 
-def main(argv=None) -> int:
+def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
+    """Write ``save/iter_NNNNNNN/`` and ``save/tokenizer/`` (see module doc); returns
+    (:class:`GPTConfig`, recorded tokenizer flags)."""
+    from megazero.data.hf_tokenizer import import_tokenizer_files
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    arch = hfmap.arch_of(cfg)
+    config = hfmap.config_from_hf(cfg)
+    get, have = _hf_tensors(hf_dir)
+    mapping = hfmap.name_map(arch, config.num_layers)
+
+    def full_tensor(name):
+        sources = mapping[name]
+        missing = [s for s, _ in sources if s not in have]
+        if missing:
+            raise KeyError(f"{hf_dir}: {name} needs {missing}")
+        parts = [get(s).t() if transpose else get(s) for s, transpose in sources]
+        return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
+
+    tokenizer = import_tokenizer_files(hf_dir, save)
+    write_imported(save, config, full_tensor, iteration, dtype, tokenizer, os.path.abspath(hf_dir))
+    return config, tokenizer
+
+
+def from_megatron(load: str, save: str, iteration: int | None = None, vocab_size: int | None = None,
+                  dtype: str = "float32"):
+    """Write a megazero checkpoint of a Megatron-LM legacy checkpoint; returns (config, tokenizer flags)."""
+    from megazero.checkpoint.megatron import MegatronCheckpoint
+    with MegatronCheckpoint(load, iteration, vocab_size=vocab_size) as ckpt:
+        out_iteration = ckpt.iteration
+        write_imported(save, ckpt.config, ckpt.full_tensor, out_iteration, dtype, ckpt.tokenizer_flags,
+                       os.path.abspath(ckpt.directory))
+        return ckpt.config, ckpt.tokenizer_flags, out_iteration
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("to-fp32")
@@ -223,7 +228,18 @@ def main(argv=None) -> int:
     c.add_argument("--save", required=True)
     c.add_argument("--iteration", type=int, default=0)
     c.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = p.parse_args(argv)
+    m = sub.add_parser("from-megatron")
+    m.add_argument("--load", required=True, help="Megatron-LM checkpoint folder (latest_checkpointed_iteration.txt)")
+    m.add_argument("--save", required=True)
+    m.add_argument("--iteration", type=int, default=None, help="default: the tracker's (or release)")
+    m.add_argument("--vocab-size", type=int, default=None,
+                   help="real vocabulary rows (default: NullTokenizer's N + 1, else the padded size)")
+    m.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     t0 = time.time()
     try:
         if args.cmd == "to-fp32":
@@ -234,9 +250,13 @@ def main(argv=None) -> int:
             to_hf(args.load, args.output, args.iteration, args.arch, args.dtype)
             print(f"wrote {args.output}/config.json and model.safetensors in {time.time() - t0:.2f} s")
         else:
-            config = from_hf(args.hf, args.save, args.iteration, args.dtype)
-            print(f"wrote {schema.iteration_dir(args.save, args.iteration)} in {time.time() - t0:.2f} s; "
-                  f"train it with: --load {args.save} {pretrain_flags(config)}")
+            if args.cmd == "from-hf":
+                (config, tokenizer), it = from_hf(args.hf, args.save, args.iteration, args.dtype), args.iteration
+            else:
+                config, tokenizer, it = from_megatron(args.load, args.save, args.iteration, args.vocab_size,
+                                                      args.dtype)
+            print(f"wrote {schema.iteration_dir(args.save, it)} in {time.time() - t0:.2f} s; "
+                  f"train it with: --load {args.save} {pretrain_flags(config, tokenizer)}")
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["HuggingFaceTokenizer", "TOKENIZER_FILES", "tokenizer_files_in"]
+__all__ = ["HuggingFaceTokenizer", "TOKENIZER_FILES", "tokenizer_files_in", "import_tokenizer_files",
+           "export_tokenizer_files"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -115,3 +116,67 @@ class HuggingFaceTokenizer:
 
     def __setstate__(self, state):
         self.__init__(state["path"])
+
+
+def import_tokenizer_files(hf_dir: str, root: str, subdir: str = "tokenizer") -> dict:
+    """Copy ``hf_dir``'s tokenizer files into ``root/subdir``; returns the tokenizer flags to record
+    (paths relative to ``root``), or ``{}`` when the folder has none.
+
+    The type is what reads those files with the same ids as ``transformers``: ``tokenizer.json``
+    -> ``HuggingFaceTokenizer``; else ``vocab.json`` + ``merges.txt`` -> ``GPT2BPETokenizer``;
+    else ``tokenizer.model`` -> ``Llama2Tokenizer`` (bos first, as Llama's tokenizer).
+    """
+    import shutil
+
+    names = tokenizer_files_in(hf_dir)
+    if not names:
+        return {}
+    os.makedirs(os.path.join(root, subdir), exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(root, subdir, name))
+    if "tokenizer.json" in names:
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": subdir}
+    if {"vocab.json", "merges.txt"} <= set(names):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": os.path.join(subdir, "vocab.json"),
+                "merge_file": os.path.join(subdir, "merges.txt")}
+    if "tokenizer.model" in names:
+        return {"tokenizer_type": "Llama2Tokenizer", "tokenizer_model": os.path.join(subdir, "tokenizer.model")}
+    return {}
+
+
+def export_tokenizer_files(flags: dict, out_dir: str) -> list[str]:
+    """Write the tokenizer named by ``flags`` (resolved paths) into an HF folder ``out_dir`` so that
+    ``AutoTokenizer.from_pretrained(out_dir)`` loads it; returns the file names written.
+
+    HuggingFaceTokenizer: its folder's tokenizer files, copied. GPT2BPETokenizer: vocab.json +
+    merges.txt and a ``tokenizer_config.json`` naming ``GPT2Tokenizer`` with ``<|endoftext|>`` as
+    bos/eos/unk. The sentencepiece types: ``tokenizer.model`` and a config naming
+    ``LlamaTokenizer`` (``add_bos_token`` for Llama2Tokenizer only). NullTokenizer: nothing.
+    """
+    import shutil
+
+    kind = flags.get("tokenizer_type")
+    os.makedirs(out_dir, exist_ok=True)
+    if kind == "HuggingFaceTokenizer":
+        src = flags["tokenizer_model"]
+        folder = src if os.path.isdir(src) else os.path.dirname(src)
+        names = tokenizer_files_in(folder)
+        for name in names:
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
+        return names
+    if kind == "GPT2BPETokenizer":
+        shutil.copyfile(flags["vocab_file"], os.path.join(out_dir, "vocab.json"))
+        shutil.copyfile(flags["merge_file"], os.path.join(out_dir, "merges.txt"))
+        eod = "<|endoftext|>"
+        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eod, "eos_token": eod, "unk_token": eod,
+                  "add_prefix_space": False}
+    elif kind in ("Llama2Tokenizer", "GPTSentencePieceTokenizer", "SentencePieceTokenizer"):
+        shutil.copyfile(flags["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": kind == "Llama2Tokenizer",
+                  "add_eos_token": False}
+        names = ["tokenizer.model"]
+    else:
+        return []
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    return (["vocab.json", "merges.txt"] if kind == "GPT2BPETokenizer" else names) + ["tokenizer_config.json"]

@@ -207,3 +207,41 @@ def to_hf_state_dict(model, arch: str | None = None) -> dict[str, torch.Tensor]:
     if arch is None:
         arch = "llama" if model.config.position_embedding_type == "rope" else "gpt2"
     return full_to_hf(model.full_state_dict(), model.config, arch)
+
+
+def arch_of_config(config) -> str:
+    return "llama" if config.position_embedding_type == "rope" else "gpt2"
+
+
+def hf_config_of(config: GPTConfig, arch: str) -> dict:
+    """The HF ``config.json`` of a :class:`GPTConfig` (refusing what the architecture can't express)."""
+    c = config
+    if arch == "gpt2":
+        bad = [m for m, ok in (("learned_absolute positions", c.position_embedding_type == "learned_absolute"),
+                               ("LayerNorm", c.normalization == "LayerNorm"), ("biases", c.add_bias_linear),
+                               ("gelu/gelu_tanh", c.activation in ("gelu", "gelu_tanh")),
+                               ("no GQA", c.num_query_groups == c.num_attention_heads),
+                               ("kv_channels = hidden / heads", c.kv_channels * c.num_attention_heads == c.hidden_size))
+               if not ok]
+        if bad:
+            raise ValueError(f"GPT-2 export needs: {', '.join(bad)}")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+                "n_positions": c.max_position_embeddings, "n_embd": c.hidden_size, "n_layer": c.num_layers,
+                "n_head": c.num_attention_heads, "n_inner": c.ffn_hidden_size,
+                "activation_function": "gelu_new" if c.activation == "gelu_tanh" else "gelu",
+                "layer_norm_epsilon": c.norm_epsilon, "initializer_range": c.init_method_std,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": c.tied_embeddings, "torch_dtype": "float32"}
+    bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
+                           ("SwiGLU", c.activation == "swiglu")) if not ok]
+    if bad:
+        raise ValueError(f"Llama export needs: {', '.join(bad)}")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
+            "head_dim": c.kv_channels, "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.norm_epsilon, "rope_theta": float(c.rotary_base),
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(c.rotary_base)},
+            "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear, "hidden_act": "silu",
+            "initializer_range": c.init_method_std, "tie_word_embeddings": c.tied_embeddings,
+            "attention_dropout": 0.0, "torch_dtype": "float32"}
