@@ -1,9 +1,11 @@
 """Save and load a training run: what ``Trainer.save`` / ``Trainer.load`` call.
 
-:func:`save_run` (collective): every rank writes its own file (:func:`schema.rank_state`: model
-chunks gathered under ZeRO-3, optimizer shard, LR scheduler, counters, RNG); rank 0 gathers every
-rank's index entry (:func:`reshard.rank_index`) and writes ``metadata.json`` with the layout, the
-saved arguments and the model's aliases, so that any layout can load it.
+:func:`save_run` / :func:`start_save` (collective): every rank writes its own file
+(:func:`schema.rank_state`: what it alone owns -- ZeRO-3 parameter shards, weights kept whole
+on DP rank 0 only, its optimizer shard, LR scheduler, counters, RNG; nothing gathered); rank 0
+gathers every rank's index entry (:func:`reshard.rank_index`) and writes ``metadata.json`` with
+the layout, the saved arguments and the model's aliases, so that any layout can load it.
+``start_save(..., background=True)`` writes from host copies in a thread (``--async-save``).
 
 :func:`load_run` (collective) reads the pointer and takes one of two paths, the same on every rank:
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint import files, schema
 from megazero.checkpoint.reader import CheckpointReader
-from megazero.checkpoint.reshard import check_model_shape, load_resharded, rank_index, same_layout
+from megazero.checkpoint.reshard import check_model_shape, load_resharded, named_parameters, rank_index, same_layout
 from megazero.checkpoint.rng import restore_rng, rng_state
 from megazero.checkpoint.schema import CheckpointError
 
@@ -54,20 +56,47 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
-def save_run(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
-             consumed_samples: int, layout: dict, saved_args: dict, save_optim: bool = True,
-             save_rng: bool = True) -> str:
-    """Save checkpoint ``iteration`` under ``root``; returns its folder. Collective.
+def _host(obj):
+    """``obj`` with every tensor on the CPU (a copy from an accelerator; CPU tensors as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host(v) for v in obj)
+    return obj
+
+
+def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: dict, save_optim: bool,
+              save_rng: bool) -> dict:
+    """This rank's file as host copies of what it alone writes (schema, "Written once")."""
+    whole = {p[1] for p in index["params"] if p[4] == schema.STORED_MODEL}
+    model = [{} for _ in stages.chunks]
+    for c, name, _, _, p, _ in named_parameters(stages.chunks):
+        if name in whole:
+            model[c][name] = p.detach().to("cpu", copy=True)
+    shards = [r["partitioned"] for r in index["regions"]]
+    optimizer_state = None
+    if save_optim:  # ZeRO 0: the replicas are DP rank 0's
+        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0))
+    return schema.rank_state(model, scheduler_state, counters, rng=rng_state(stages.rng_states) if save_rng else None,
+                             optimizer=optimizer_state,
+                             param_shards=_host(optimizer.param_shards()) if any(shards) else None)
+
+
+def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
+               consumed_samples: int, layout: dict, saved_args: dict, save_optim: bool = True,
+               save_rng: bool = True, background: bool = False) -> files.PendingSave:
+    """Begin saving checkpoint ``iteration`` under ``root`` (collective): snapshot this rank's
+    part to host memory, gather the index to rank 0, and write the rank file -- in a background
+    thread when ``background`` (``--async-save``). Call ``.finish()`` (collective) to publish.
 
     ``stages``: a :class:`~megazero.model.stages.ModelStages` (``chunks``, ``rng_states``,
     ``aliases``); ``counters``: ``{"skipped", "nans"}``; ``layout``: :func:`schema.layout`;
-    ``saved_args``: JSON values recorded as the run's arguments (with the model's keys)."""
-    with optimizer.gathered_params():  # ZeRO-3: materialize the partitioned parameters
-        model = [{k: v.detach().clone() for k, v in c.state_dict().items()} for c in stages.chunks]
-    state = schema.rank_state(model, scheduler_state, counters,
-                              rng=rng_state(stages.rng_states) if save_rng else None,
-                              optimizer=optimizer.state_dict() if save_optim else None)
+    ``saved_args``: JSON values recorded as the run's arguments (with the model's keys).
+    Nothing is gathered but the index: ZeRO-3 writes its shards as they are."""
     index = rank_index(topo, stages.chunks, optimizer)
+    state = _snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng)
     rank = _rank()
     if dist.is_initialized():
         indices = [None] * dist.get_world_size() if rank == 0 else None
@@ -76,7 +105,13 @@ def save_run(root: str, *, topo, stages, optimizer, scheduler_state: dict | None
         indices = [index]
     meta = schema.metadata(iteration, consumed_samples, layout, saved_args,
                            schema.make_index(indices or [], stages.aliases)) if rank == 0 else {}
-    return files.save_checkpoint(root, iteration, rank, state, meta)
+    return files.PendingSave(root, iteration, rank, state, meta).start(background=background)
+
+
+def save_run(root: str, **kwargs) -> str:
+    """Save checkpoint ``iteration`` under ``root`` and publish it; returns its folder. Collective.
+    Keywords: those of :func:`start_save` (without ``background``)."""
+    return start_save(root, **kwargs).finish()
 
 
 def _choose_path(root: str, iteration: int, meta: dict, *, topo, stages, optimizer, layout, model_config,
@@ -97,19 +132,38 @@ def _choose_path(root: str, iteration: int, meta: dict, *, topo, stages, optimiz
     return exact, reader
 
 
-def _load_exact(root: str, iteration: int, stages, optimizer, load_optim: bool) -> dict:
-    """This rank's file as saved into the chunks (and optimizer); returns the file's contents."""
+def _replica_rank(reader: CheckpointReader, topo) -> int:
+    """The rank of DP rank 0 at this rank's (TP, PP) position (it wrote the ZeRO-0 replicas)."""
+    return next(e["rank"] for e in reader.ranks
+                if (e["tp_rank"], e["pp_rank"], e["dp_rank"]) == (topo.tp_rank, topo.pp_rank, 0))
+
+
+def _load_exact(root: str, iteration: int, stages, optimizer, load_optim: bool, reader) -> dict:
+    """This rank's file as saved into the chunks (and optimizer); returns the file's contents.
+
+    Format 3: the fp32 state from this rank's file (ZeRO 0, DP rank > 0: DP rank 0's) and the
+    weights from the masters, or without optimizer state the weights alone, read as ranges;
+    nothing is gathered. Formats 1-2 (every file holds its full weights): as they were saved."""
     rank = _rank()
-    state = files.load_rank_state(root, iteration, rank)
+    state = files.load_rank_state(root, iteration, rank, mmap=True)
     chunks, saved = stages.chunks, state[schema.MODEL]
     if len(saved) != len(chunks):
         path = schema.rank_file(schema.iteration_dir(root, iteration), rank)
         raise CheckpointError(f"{path} holds {len(saved)} model chunks, this run has {len(chunks)}")
-    with optimizer.gathered_params():
-        for chunk, sd in zip(chunks, saved):
-            chunk.load_state_dict(sd)
-        optimizer.reload_model_params()
-    if load_optim and schema.OPTIMIZER in state:
+    with_optim = load_optim and schema.OPTIMIZER in state
+    if reader is None or reader.version < 3:
+        with optimizer.gathered_params():
+            for chunk, sd in zip(chunks, saved):
+                chunk.load_state_dict(sd)
+            optimizer.reload_model_params()
+    elif with_optim:
+        opt = dict(state[schema.OPTIMIZER])
+        if not opt[schema.SHARDS] and optimizer.regions:
+            opt[schema.SHARDS] = reader.rank_state(_replica_rank(reader, optimizer.topo))[schema.OPTIMIZER][schema.SHARDS]
+        state = dict(state, **{schema.OPTIMIZER: opt})
+    else:
+        load_resharded(reader, chunks, optimizer, load_optim=False)  # same layout: its own ranges
+    if with_optim:
         optimizer.load_state_dict(state[schema.OPTIMIZER])
     return state
 
@@ -130,7 +184,7 @@ def load_run(root: str, *, topo, stages, optimizer, layout: dict, model_config=N
                                  layout=layout, model_config=model_config, device=device)
     t0 = time.time()
     if exact:
-        state = _load_exact(root, iteration, stages, optimizer, load_optim)
+        state = _load_exact(root, iteration, stages, optimizer, load_optim, reader)
     else:
         load_resharded(reader, stages.chunks, optimizer, load_optim=load_optim)
         state = reader.rank_state(0)  # scheduler and counters: the same on every rank

@@ -7,6 +7,9 @@ the folder and rewrite ``latest_checkpointed_iteration.txt``. A rank killed mid-
 previous checkpoint, and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by
 the next save.
 
+``--async-save``: the same protocol, the rank file written by a background thread from host
+copies (:class:`PendingSave`); the next save, or the end of training, finishes it first.
+
 Reading: rank files are loaded with ``torch.load(weights_only=True)`` (tensors and plain values
 only); a missing, truncated or unsafe file raises :class:`CheckpointError` naming it.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,32 +43,84 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class PendingSave:
+    """One checkpoint being saved: :meth:`start` opens the temporary folder (collective) and
+    writes this rank's file, in a background thread when ``background``; :meth:`finish`
+    (collective) waits for it, agrees with every rank that all files were written, then rank 0
+    writes ``metadata.json``, renames the folder and rewrites the pointer last. A failed write
+    on any rank raises :class:`CheckpointError` on every rank naming it; the pointer is left
+    on the previous checkpoint. ``state`` must be host copies the training no longer touches."""
+
+    def __init__(self, root: str, iteration: int, rank: int, state: dict, metadata: dict):
+        self.root, self.iteration, self.rank, self.metadata = root, iteration, rank, metadata
+        self.final = iteration_dir(root, iteration)
+        self.tmp = self.final + ".tmp"
+        self.state, self.error, self.thread, self.bytes_written = state, None, None, 0
+        self.started = time.time()
+
+    def start(self, background: bool = False) -> "PendingSave":
+        if self.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            os.makedirs(self.tmp)
+        _barrier()
+        if background:
+            self.thread = threading.Thread(target=self._write, name=f"checkpoint-{self.iteration}", daemon=True)
+            self.thread.start()
+        else:
+            self._write()
+        return self
+
+    def _write(self) -> None:
+        path = rank_file(self.tmp, self.rank)
+        try:
+            torch.save(self.state, path + ".partial")
+            os.replace(path + ".partial", path)
+            self.bytes_written = os.path.getsize(path)
+        except BaseException as e:  # reported by finish(), on every rank
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.state = None  # the host copies go as soon as they are written
+
+    def done(self) -> bool:
+        """Whether this rank's file is written (no collective)."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def finish(self) -> str:
+        """Collective: wait, check every rank's write, publish; returns the checkpoint folder."""
+        if self.thread is not None:
+            self.thread.join()
+        errors = [self.error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, self.error)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise CheckpointError(f"saving {self.final} failed ({'; '.join(failed)}); "
+                                  f"{latest_file(self.root)} still names the previous checkpoint")
+        if self.rank == 0:
+            _publish(self.root, self.iteration, self.tmp, self.final, self.metadata)
+        _barrier()
+        return self.final
+
+
+def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) -> None:
+    """Rank 0, after every rank's file is in ``tmp``: metadata, rename, then the pointer."""
+    _atomic_write_text(metadata_file(tmp), json.dumps(metadata, indent=1, sort_keys=True))
+    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap, then drop the old
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _atomic_write_text(latest_file(root), f"{iteration}\n")
+
+
 def save_checkpoint(root: str, iteration: int, rank: int, state: dict, metadata: dict) -> str:
     """Collective: every rank saves ``state``; rank 0 writes ``metadata`` and publishes the folder."""
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    path = rank_file(tmp, rank)
-    torch.save(state, path + ".partial")
-    os.replace(path + ".partial", path)
-    _barrier()
-    if rank == 0:
-        _atomic_write_text(metadata_file(tmp), json.dumps(metadata, indent=1, sort_keys=True))
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap, then drop the old
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _atomic_write_text(latest_file(root), f"{iteration}\n")
-    _barrier()
-    return final
+    return PendingSave(root, iteration, rank, state, metadata).start().finish()
 
 
 def latest_iteration(root: str) -> int | None:

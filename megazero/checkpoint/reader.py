@@ -47,23 +47,28 @@ class CheckpointReader:
         self.args = dict(self.metadata.get(schema.ARGS, {}))
         self.layout = self.metadata.get(schema.LAYOUT, {})
         self.ranks, self.aliases = schema.read_index(self.metadata, schema.metadata_file(self.directory))
+        self.version = schema.index_version(self.metadata)
         self.tp = int(self.layout["tensor_model_parallel_size"])
         self.has_optimizer = not self.args.get("no_save_optim", False)
+        self.bytes_read = 0  # tensor bytes copied out of the (memory-mapped) files so far
         self._files: dict[int, dict] = {}
-        self._where: dict[str, list] = {}     # name -> [(tp_rank, dp_rank, rank, ParamEntry)]
-        self._regions: dict[str, list] = {}   # name -> [(tp_rank, dp_rank, rank, region, offset, numel, lo, len)]
-        self._order: list[tuple] = []         # (virtual stage, position, name) on TP rank 0, DP rank 0
-        pp = int(self.layout["pipeline_model_parallel_size"])
+        self._where: dict[str, list] = {}     # name -> [(tp_rank, dp_rank, rank, ParamEntry)] holding its weight
+        self._regions: dict[str, list] = {}   # name -> [(tp_rank, dp_rank, rank, region, offset, numel, lo, len,
+        self._order: list[tuple] = []         #           partitioned, optimizer saved)]; (vstage, pos, name)
+        pp, zero = int(self.layout["pipeline_model_parallel_size"]), int(self.layout.get("zero_stage") or 0)
         for e in self.ranks:
             t, d, r = e["tp_rank"], e["dp_rank"], e["rank"]
             for pos, p in enumerate(schema.entry_params(e)):
-                self._where.setdefault(p.name, []).append((t, d, r, p))
+                if p.stored is not None:
+                    self._where.setdefault(p.name, []).append((t, d, r, p))
                 if t == 0 and d == 0:
                     self._order.append((p.chunk * pp + e["pp_rank"], pos, p.name))
+            saved_opt = self.version < 3 or zero >= 1 or d == 0  # v3, ZeRO 0: DP rank 0 writes the replicas
             for ri, reg in enumerate(e["regions"]):
                 for name, off, numel in reg["params"]:
                     self._regions.setdefault(name, []).append(
-                        (t, d, r, ri, off, numel, reg["shard_lo"], reg["shard_len"]))
+                        (t, d, r, ri, off, numel, reg["shard_lo"], reg["shard_len"], reg.get("partitioned", False),
+                         saved_opt))
         for v in self._where.values():
             v.sort(key=lambda x: (x[0], x[1]))
         for v in self._regions.values():
@@ -102,42 +107,70 @@ class CheckpointReader:
         return name
 
     # ---- tensors -----------------------------------------------------------------------------
-    def _weight(self, name: str, tp_rank: int) -> torch.Tensor:
-        _, _, rank, p = next(w for w in self._where[name] if w[0] == tp_rank)
+    def _source(self, rank: int, path: tuple):
+        """``rank_state(rank)[path[0]][path[1]]...``, or a :class:`CheckpointError` naming the file."""
+        obj = self.rank_state(rank)
         try:
-            return self.rank_state(rank)[schema.MODEL][p.chunk][name]
+            for key in path:
+                obj = obj[key]
         except (KeyError, IndexError, TypeError):
-            path = schema.rank_file(self.directory, rank)
-            raise CheckpointError(f"{path}: model chunk {p.chunk} lacks {name!r}") from None
+            where = schema.rank_file(self.directory, rank)
+            raise CheckpointError(f"{where}: no {'/'.join(str(k) for k in path)}") from None
+        return obj
+
+    def _flat_range(self, name: str, kind: str, tp_rank: int, numel: int, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of ``name``'s flattened TP-local tensor on ``tp_rank`` (of ``numel``):
+        a weight from the file storing it whole (``"model"``), else from the overlaps
+        ``[max(o + a, lo), min(o + b, lo + len))`` of the DP ranks' flat shards of its region (fp32
+        state, or a ZeRO-3 weight's parameter shards). Only those bytes are read."""
+        if kind == "master" and not self.has_optimizer:
+            return self._flat_range(name, "weight", tp_rank, numel, a, b).float()
+        if kind != "weight" and not self.has_optimizer:
+            raise CheckpointError(f"{self.directory} was saved with --no-save-optim: no {kind}")
+        if kind == "weight":
+            _, _, rank, p = next(w for w in self._where[name] if w[0] == tp_rank)
+            if p.stored == schema.STORED_MODEL:
+                out = self._source(rank, (schema.MODEL, p.chunk, name)).reshape(-1)[a:b]
+                self.bytes_read += out.nbytes
+                return out
+        out, done = None, 0
+        for t, d, rank, ri, o, n, lo, ln, partitioned, saved_opt in self._regions.get(name, []):
+            if t != tp_rank or not (partitioned if kind == "weight" else saved_opt):
+                continue
+            x, y = max(o + a, lo), min(o + b, lo + ln)
+            if x >= y:
+                continue
+            path = (schema.PARAM_SHARDS, ri) if kind == "weight" else (schema.OPTIMIZER, schema.SHARDS, ri, kind)
+            shard = self._source(rank, path)
+            out = torch.zeros(b - a, dtype=shard.dtype) if out is None else out
+            out[x - o - a:y - o - a] = shard[x - lo:y - lo]
+            self.bytes_read += (y - x) * shard.element_size()
+            done += y - x
+            if done >= b - a:
+                break
+        if done != b - a:
+            raise CheckpointError(f"{self.directory}: the saved shards of {name!r} ({kind}) cover {done} of "
+                                  f"{b - a} elements")
+        return out
 
     def _local(self, name: str, kind: str, tp_rank: int, shape: tuple) -> torch.Tensor:
         """The TP-local tensor of ``name`` on ``tp_rank`` (weight: saved dtype; else fp32)."""
-        if kind == "weight" or (kind == "master" and not self.has_optimizer):
-            w = self._weight(name, tp_rank)
-            return w if kind == "weight" else w.float()
-        if not self.has_optimizer:
-            raise CheckpointError(f"{self.directory} was saved with --no-save-optim: no {kind}")
         numel = 1
         for s in shape:
             numel *= s
-        flat, done = torch.zeros(numel, dtype=torch.float32), 0
-        for t, d, rank, ri, o, n, lo, ln in self._regions.get(name, []):
-            if t != tp_rank or done >= numel:
-                continue
-            a, b = max(o, lo), min(o + n, lo + ln)
-            if a >= b:
-                continue
-            try:
-                shard = self.rank_state(rank)[schema.OPTIMIZER][schema.SHARDS][ri][kind]
-            except (KeyError, IndexError, TypeError):
-                path = schema.rank_file(self.directory, rank)
-                raise CheckpointError(f"{path}: no optimizer region {ri}") from None
-            flat[a - o:b - o] = shard[a - lo:b - lo]
-            done += b - a
-        if done != numel:
-            raise CheckpointError(f"{self.directory}: the optimizer shards of {name!r} cover {done} of "
-                                  f"{numel} elements")
-        return flat.view(shape)
+        return self._flat_range(name, kind, tp_rank, numel, 0, numel).view(shape)
+
+    def local_range(self, name: str, kind: str, tp_rank: int, tp: int, shape: tuple, a: int, b: int,
+                    to_local) -> torch.Tensor:
+        """Elements ``[a, b)`` of the flattened TP-local tensor of ``name`` (``kind``) of shape
+        ``shape`` on TP rank ``tp_rank`` of ``tp`` in the *loading* layout. With the saved TP size
+        and local shape, read directly (:meth:`_flat_range`); otherwise ``to_local(full)`` of the
+        full tensor (the TP size changed: one full parameter in memory)."""
+        name = self.resolve(name)
+        entry = next(w[3] for w in self._where[name] if w[0] == min(tp_rank, self.tp - 1))
+        if tp == self.tp and tuple(entry.shape) == tuple(shape):
+            return self._flat_range(name, kind, tp_rank, entry.numel(), a, b)
+        return to_local(self.full_param(name, kind)).reshape(-1)[a:b]
 
     def full_param(self, name: str, kind: str = "weight") -> torch.Tensor:
         """The full, unpadded tensor of ``name``: ``weight`` in the saved dtype, ``master``,

@@ -15,8 +15,9 @@ Loading (:func:`load_resharded`), for every parameter this rank holds in the new
   the fp32 masters, exactly as after an optimizer step (so fp32 -> bf16 rounds the master once);
 * the optimizer step count and loss scaler come from rank 0's file (they are equal on all ranks).
 
-Each rank opens only the old files holding the parameters it needs (memory-mapped: only the
-touched tensors are read) and keeps one full parameter in memory at a time.
+Each rank asks only for the elements inside its new ZeRO shard: with the TP split unchanged
+they are read as byte ranges of the old (memory-mapped) files, so a rank reads about its share;
+when the TP size changes, one full parameter at a time is rebuilt and sliced.
 """
 
 from __future__ import annotations
@@ -44,20 +45,26 @@ def named_parameters(chunks):
 
 
 def rank_index(topo, chunks, optimizer) -> dict:
-    """This rank's entry of the index (:func:`schema.index_entry`)."""
-    params, name_of = [], {}
+    """This rank's entry of the index (:func:`schema.index_entry`), with where its file stores
+    each weight: ``"shard"`` for a parameter of a partitioned (ZeRO-3) region, ``"model"`` on DP
+    rank 0 for the others, ``None`` (DP rank 0's file has it) elsewhere."""
+    name_of = {id(p): name for _, name, _, _, p, _ in named_parameters(chunks)}
+    regions = optimizer.layout(name_of)
+    sharded = {name for r in regions if r["partitioned"] for name, _, _ in r["params"]}
+    params = []
     for c, name, _, _, p, split in named_parameters(chunks):
-        params.append(schema.ParamEntry(c, name, tuple(p.shape), split))
-        name_of[id(p)] = name
+        stored = schema.STORED_SHARD if name in sharded else (schema.STORED_MODEL if topo.dp_rank == 0 else None)
+        params.append(schema.ParamEntry(c, name, tuple(p.shape), split, stored))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, optimizer.layout(name_of))
+    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, regions)
 
 
 def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
-    """True when the fast path applies: same layout and this rank's file has the same contents."""
+    """True when the fast path applies: same layout and this rank's file has the same contents
+    (compared in the checkpoint's own index version)."""
     if schema.layout_diffs(reader.layout, layout):
         return False
-    return reader.rank_index(index["rank"]) == index
+    return reader.rank_index(index["rank"]) == schema.comparable_entry(index, reader.version)
 
 
 def check_model_shape(reader: CheckpointReader, model_config) -> None:
@@ -78,9 +85,12 @@ def check_model_shape(reader: CheckpointReader, model_config) -> None:
 def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool = True) -> bool:
     """Load weights (and, if ``load_optim`` and saved, optimizer state) into this rank's layout.
 
-    Returns whether the optimizer state was loaded.  Collective (ZeRO write-back / stage-3 gathers).
-    """
-    tp_rank, tp = optimizer.topo.tp_rank, optimizer.topo.tp
+    Every region asks only for the elements inside this rank's ZeRO shard
+    (:meth:`ZeroOptimizer.load_param_ranges`); :meth:`CheckpointReader.local_range` reads just
+    those from the memory-mapped files when the TP split is unchanged, else slices the full
+    tensor. Without optimizer state the masters take the weights (moments untouched). Returns
+    whether the optimizer state was loaded. Collective (the ZeRO write-back)."""
+    topo = optimizer.topo
     info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(chunks)}
     for name, _, _ in info.values():
         try:
@@ -88,19 +98,15 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
         except KeyError as e:
             raise CheckpointError(str(e.args[0])) from None
 
-    def local(p, kind):
+    def fetch(p, kind, a, b):
         name, module, p_name = info[id(p)]
-        full = reader.full_param(name, kind)
-        return to_local(module, p_name, full, tp_rank, tp)
+        return reader.local_range(name, kind, topo.tp_rank, topo.tp, tuple(p.shape), a, b,
+                                  to_local=lambda full: to_local(module, p_name, full, topo.tp_rank, topo.tp))
 
     with_optim = load_optim and reader.has_optimizer
+    optimizer.load_param_ranges(fetch, OPT_KINDS if with_optim else ("weight",))
     if not with_optim:
-        with optimizer.gathered_params():
-            for _, _, _, _, p, _ in named_parameters(chunks):
-                p.copy_(local(p, "weight").to(p.dtype))
-            optimizer.reload_model_params()
         return False
-    optimizer.load_param_states(lambda p: {k: local(p, k) for k in OPT_KINDS})
     counters = reader.optimizer_counters()
     saved_scaler, scaler = counters["scaler"], optimizer.scaler.state_dict()
     if set(saved_scaler) != set(scaler):  # e.g. fp32 (constant 1.0) -> fp16 (dynamic): start afresh

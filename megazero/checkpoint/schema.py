@@ -1,34 +1,46 @@
 """The on-disk checkpoint format: the one place that names its paths, keys and version.
 
-Format version 2 (:data:`VERSION`; version 1, written before ``aliases`` existed, still reads)::
+Format version 3 (:data:`VERSION`; versions 1 and 2 still read)::
 
     DIR/latest_checkpointed_iteration.txt      "100\\n" -- the pointer, written last, atomically
     DIR/iter_0000100/metadata.json             {"iteration", "consumed_samples", "layout", "args", "index"}
     DIR/iter_0000100/rank_00005.pt             what rank 5 owns (torch.save; tensors and plain values)
 
-A rank file (:func:`rank_state`) holds ``model`` (one ``state_dict()`` per VP chunk: this rank's
-TP slices, global names, ``params_dtype``; under ZeRO-3 the gathered TP slice), ``scheduler``
-(LR-scheduler state, ``None`` in an imported checkpoint), ``counters`` (``{"skipped", "nans"}``),
-optionally ``rng`` (:mod:`megazero.checkpoint.rng`) and ``optimizer`` (the ZeRO optimizer's
-``state_dict()``: ``iteration``, ``scaler``, skip counters, and ``shards``: per ZeRO region
-``{master, exp_avg, exp_avg_sq}``, fp32, this DP rank's shard).
+A rank file (:func:`rank_state`) holds ``model`` (one dict per VP chunk, global names, TP-local
+tensors in ``params_dtype``: only the parameters whose index entry says ``"model"``),
+``param_shards`` (ZeRO-3: per region this rank's ``[lo, lo + n)`` of the flat parameters in
+``params_dtype``, ``None`` for a region kept whole), ``scheduler``, ``counters``
+(``{"skipped", "nans"}``), optionally ``rng`` (:mod:`megazero.checkpoint.rng`) and ``optimizer``
+(``iteration``, ``scaler``, skip counters, and ``shards``: per ZeRO region ``{master, exp_avg,
+exp_avg_sq}``, fp32, this DP rank's shard -- ``[]`` on DP ranks > 0 at ZeRO 0, whose replicas
+are DP rank 0's).
+
+**Written once** (version 3): a weight kept whole (ZeRO 0-2; ZeRO-3's small persistent and tied
+parameters) is written by DP rank 0 of its (TP, PP) position only; a ZeRO-3 unit's weights only
+as the DP ranks' parameter shards; the fp32 state by the rank that owns its shard. So a
+checkpoint holds ~one copy of the model states (weights 2Φ + master and moments 12Φ in bf16),
+whatever the DP size, and no rank gathers anything to write it. (Versions 1-2: every rank wrote
+its full TP-local weights, ZeRO-3 gathered.)
 
 ``metadata.json``: ``layout`` (:data:`LAYOUT_KEYS`), ``args`` (the saving run's arguments, JSON
 values only, with the model's under Megatron names), and ``index``::
 
-    {"version": 2, "aliases": {copy name: canonical name},
+    {"version": 3, "aliases": {copy name: canonical name},
      "ranks": [{"rank": r, "tp_rank": t, "pp_rank": p, "dp_rank": d,
-                "params":  [[chunk, name, local_shape, split], ...],
+                "params":  [[chunk, name, local_shape, split, stored], ...],
                 "regions": [{"params": [[name, offset, numel], ...], "padded": P,
-                             "shard_lo": lo, "shard_len": n}, ...]}, ...]}
+                             "shard_lo": lo, "shard_len": n, "partitioned": bool}, ...]}, ...]}
 
 ``split`` is :meth:`TPSplit.to_json` (``[dim, partition_sizes, real_rows]``) or ``null`` for a
-parameter replicated over TP (:mod:`megazero.tensor_parallel.spec`). A ZeRO region is a flat
-buffer of the listed parameters; ``name`` occupies ``[offset, offset + numel)``, the buffer is
-padded to ``P`` and DP rank ``d`` holds ``[lo, lo + n)`` of it. ``aliases`` names parameters
-that are copies of another (tied embeddings): a reader gives the canonical tensor for a copy no
-rank saved. A version-1 index has no ``aliases``; every version-1 checkpoint is a GPT, whose
-tie (:data:`FORMAT1_ALIASES`) applies unless its args say ``untie_embeddings_and_output_weights``.
+parameter replicated over TP (:mod:`megazero.tensor_parallel.spec`). ``stored``: where this
+file holds the weight -- ``"model"`` (``file["model"][chunk][name]``), ``"shard"`` (its region's
+``param_shards`` over the DP ranks, like the master) or ``null`` (another DP replica's file;
+version 1-2 entries have no ``stored``: ``"model"``). A ZeRO region is a flat buffer of the
+listed parameters; ``name`` occupies ``[offset, offset + numel)``, the buffer is padded to ``P``
+and DP rank ``d`` holds ``[lo, lo + n)`` of it. ``aliases`` names parameters that are copies of
+another (tied embeddings): a reader gives the canonical tensor for a copy no rank saved. A
+version-1 index has no ``aliases``; every version-1 checkpoint is a GPT, whose tie
+(:data:`FORMAT1_ALIASES`) applies unless its args say ``untie_embeddings_and_output_weights``.
 """
 
 from __future__ import annotations
@@ -40,8 +52,8 @@ import torch
 
 from megazero.tensor_parallel.spec import TPSplit
 
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -49,6 +61,8 @@ METADATA = "metadata.json"
 # rank-file keys
 MODEL, RNG, SCHEDULER, COUNTERS, OPTIMIZER = "model", "rng", "scheduler", "counters", "optimizer"
 SHARDS = "shards"  # inside OPTIMIZER: per ZeRO region {kind: this DP rank's flat fp32 shard}
+PARAM_SHARDS = "param_shards"  # ZeRO-3: per region this DP rank's flat parameter shard (or None)
+STORED_MODEL, STORED_SHARD = "model", "shard"  # where a file holds a weight (ParamEntry.stored)
 COUNTER_KEYS = ("skipped", "nans")
 # metadata keys
 ITERATION, CONSUMED_SAMPLES, LAYOUT, ARGS, INDEX = "iteration", "consumed_samples", "layout", "args", "index"
@@ -80,9 +94,11 @@ def metadata_file(directory: str) -> str:
 
 # ---- rank files ------------------------------------------------------------------------------
 def rank_state(model: list[dict], scheduler: dict | None, counters: dict, rng: dict | None = None,
-               optimizer: dict | None = None) -> dict:
-    """One rank file's contents; ``rng`` / ``optimizer`` left out when None (not saved)."""
+               optimizer: dict | None = None, param_shards: list | None = None) -> dict:
+    """One rank file's contents; ``rng`` / ``optimizer`` / ``param_shards`` left out when None."""
     state = {MODEL: model}
+    if param_shards is not None:
+        state[PARAM_SHARDS] = param_shards
     if rng is not None:
         state[RNG] = rng
     state[SCHEDULER] = scheduler
@@ -145,15 +161,23 @@ class ParamEntry:
     name: str
     shape: tuple[int, ...]
     split: TPSplit | None
+    stored: str | None = STORED_MODEL
 
     def to_json(self) -> list:
         return [int(self.chunk), self.name, [int(s) for s in self.shape],
-                None if self.split is None else self.split.to_json()]
+                None if self.split is None else self.split.to_json(), self.stored]
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
     @classmethod
     def from_json(cls, obj) -> "ParamEntry":
-        chunk, name, shape, split = obj
-        return cls(int(chunk), name, tuple(int(s) for s in shape), TPSplit.from_json(split))
+        chunk, name, shape, split = obj[:4]
+        stored = obj[4] if len(obj) > 4 else STORED_MODEL  # versions 1-2: every file has its weights
+        return cls(int(chunk), name, tuple(int(s) for s in shape), TPSplit.from_json(split), stored)
 
 
 def index_entry(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, params: list[ParamEntry],
@@ -182,6 +206,20 @@ def read_index(meta: dict, where: str) -> tuple[list[dict], dict[str, str]]:
         tied = not meta.get(ARGS, {}).get("untie_embeddings_and_output_weights", False)
         return index["ranks"], dict(FORMAT1_ALIASES) if tied else {}
     return index["ranks"], dict(index["aliases"])
+
+
+def comparable_entry(entry: dict, version: int) -> dict:
+    """``entry`` (this format) as a version-``version`` index would hold it: versions 1-2 had no
+    ``stored`` per parameter and no ``partitioned`` per region."""
+    if version >= 3:
+        return entry
+    return dict(entry, params=[p[:4] for p in entry["params"]],
+                regions=[{k: v for k, v in r.items() if k != "partitioned"} for r in entry["regions"]])
+
+
+def index_version(meta: dict) -> int:
+    """The index's format version (0: no index)."""
+    return int(meta[INDEX].get("version", 0)) if INDEX in meta else 0
 
 
 def entry_params(entry: dict) -> list[ParamEntry]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointError, schema
-from megazero.checkpoint.api import load_run, save_run
+from megazero.checkpoint.api import load_run, start_save
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
@@ -49,6 +49,7 @@ class Trainer:
         self.skipped, self.nans = 0, 0
         self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
         self.first_iteration = 0  # where this process started (set again by train())
+        self.pending_save = None  # --async-save: the checkpoint still being written
         self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
 
     def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
@@ -113,18 +114,37 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
-        """Every rank writes its own file; rank 0 adds the gathered per-rank index (names, TP split
-        rules, ZeRO regions) to ``metadata.json`` so any layout can load it (docs/checkpoints.md)."""
+        """Every rank writes what it alone owns; rank 0 adds the gathered per-rank index (names, TP
+        split rules, ZeRO regions) to ``metadata.json`` so any layout can load it
+        (docs/checkpoints.md). ``--async-save``: the files are written in the background from
+        host copies; a new save (or the end of :meth:`train`) first finishes the previous one."""
         args = self.args
+        self.finish_save()
         t0 = time.time()
-        path = save_run(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                        scheduler_state=self.scheduler.state_dict(),
-                        counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
-                        consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
-                        saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
-                        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+        pending = start_save(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                             scheduler_state=self.scheduler.state_dict(),
+                             counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
+                             consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
+                             saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
+                             save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+                             background=args.async_save)
+        if pending.thread is not None:
+            self.pending_save = pending
+            _print_rank(self.rank, 0, f"saving checkpoint at iteration {self.iteration:7d} to {pending.final} "
+                                      f"in the background (snapshot {time.time() - t0:.2f} s)")
+            return
+        path = pending.finish()
         _print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
+
+    def finish_save(self) -> None:
+        """Wait for the background checkpoint (if any) and publish it (collective); a failed write
+        on any rank raises :class:`CheckpointError` here."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            path = pending.finish()
+            _print_rank(self.rank, 0, f"saved checkpoint at iteration {pending.iteration:7d} to {path} "
+                                      f"({time.time() - pending.started:.2f} s after it started)")
 
     def load(self) -> None:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
@@ -164,9 +184,11 @@ class Trainer:
             if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 self._log_validation(self.evaluate())
             if self._save_or_exit(exit_signal):
+                self.finish_save()
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
+        self.finish_save()
 
     def _count_step(self, ok: bool, grad_norm) -> None:
         """After a step: iteration and sample counters; the LR schedule advances only on an

@@ -129,3 +129,20 @@ class Collectives:
         if prim == "all_gather_list":
             return Pending(dist.all_gather(list(out.chunk(size)), inp, group=group, async_op=async_op))
         return Pending(dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op))
+
+
+def process_groups(topo, shared_params) -> tuple[dict, dict]:
+    """``(groups, shared_of)``: the :class:`Collectives` groups ``name -> (group, size, rank)``
+    ("dp", "mp", "world", then "tie0", "tie1", ... one per distinct group of ``shared_params``)
+    and ``{param: tie-group name}``."""
+    groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
+              "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
+              "world": (None, dist.get_world_size(), dist.get_rank())}
+    shared_of, ties = {}, 0
+    for p, g in shared_params:
+        name = next((n for n, (gg, _, _) in groups.items() if gg is g and n.startswith("tie")), None)
+        if name is None:
+            name, ties = f"tie{ties}", ties + 1
+            groups[name] = (g, dist.get_world_size(g), dist.get_rank(g))
+        shared_of[p] = name
+    return groups, shared_of

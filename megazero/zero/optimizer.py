@@ -30,16 +30,17 @@ import torch
 import torch.distributed as dist
 
 from .adamw import adamw_step, sum_of_squares
-from .collectives import Collectives
+from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
 from .region import Region
 from .regions import RegionContext, build_regions, buckets, cast_params, trainable_params
 from .stage3 import ParamGatherer
+from .state import ShardState
 
 _buckets = buckets  # the old private name, still imported by tests/zero/test_deepspeed_config.py
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ShardState):
     """See the module docstring and docs/zero.md.  ``model_chunks``: a module or list of them
     (virtual pipeline chunks); ``shared_params``: ``[(param, process_group)]`` whose gradients are
     summed over the group before DP reduction (same order on every member; the norm counts them
@@ -83,7 +84,7 @@ class ZeroOptimizer:
         self.scaler = make_loss_scaler(self.params_dtype, loss_scale, dynamic_loss_scale, initial_loss_scale,
                                        min_loss_scale, loss_scale_window, hysteresis)
 
-        groups, shared_of = _process_groups(topo, shared_params)
+        groups, shared_of = process_groups(topo, shared_params)
         self.shared_names = list(dict.fromkeys(shared_of.values()))
         self.comm = Collectives(groups, dist.get_backend(), primitives)
         uncounted = {p for p in tp_duplicated_params if topo.tp_rank != 0}
@@ -246,7 +247,7 @@ class ZeroOptimizer:
 
     def reload_model_params(self) -> None:
         """Re-read the fp32 master shards from the parameters (done automatically after a
-        chunk's ``load_state_dict``; stage 3 otherwise needs ``with opt.gathered_params():``)."""
+        chunk's ``load_state_dict``; stage 3 reads released units from their parameter shards)."""
         for r in self.regions:
             r.reload_master()
 
@@ -258,63 +259,9 @@ class ZeroOptimizer:
         return {"zero/comm-multiple": c["dp_logical_multiple"], "zero/primitive-multiple": c["dp_primitive_multiple"],
                 "zero/state-bytes": float(self.state_bytes()["total"])}
 
-    def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "scaler": self.scaler.state_dict(),
-                "skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
-                "shards": [r.shard_state() for r in self.regions]}
-
-    def load_counters(self, sd: dict) -> None:
-        """Step count, loss scaler and skip counters of a :meth:`state_dict` (layout-free)."""
-        self.iteration = sd["iteration"]
-        self.scaler.load_state_dict(sd["scaler"])
-        self.skipped_iterations, self.nan_iterations = sd["skipped_iterations"], sd["nan_iterations"]
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.load_counters(sd)
-        for r, s in zip(self.regions, sd["shards"]):
-            r.load_shard_state(s)
-        for pending in [r.write_back(async_op=True) for r in self.regions]:
-            pending.wait()
-
-    def layout(self, name_of: dict) -> list[dict]:
-        """Self-description of the flat regions, for checkpoints: per region the ordered
-        ``[name, offset, numel]`` of its parameters (``name_of``: id(param) -> name), its
-        ``padded`` length and this rank's shard ``[shard_lo, shard_lo + shard_len)``."""
-        return [r.describe(name_of) for r in self.regions]
-
-    @torch.no_grad()
-    def load_param_states(self, states_of) -> None:
-        """Set master weights and both Adam moments per parameter, then write the parameters back.
-
-        ``states_of(param)`` returns ``{"master", "exp_avg", "exp_avg_sq"}``: fp32 tensors of the
-        parameter's (TP-local) shape; only the part inside this rank's shard is copied:
-        ``shard[a - lo : b - lo] = state.flat[a - o : b - o]`` with ``[a, b)`` the overlap of
-        ``[o, o + numel)`` and ``[lo, lo + len)``.  Collective (the write-back all-gathers)."""
-        for r in self.regions:
-            r.load_param_states(states_of)
-        for pending in [r.write_back(async_op=True) for r in self.regions]:
-            pending.wait()
-
     def close(self) -> None:
         """Remove every hook this optimizer registered."""
         for h in self._hooks:
             h.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
-
-
-def _process_groups(topo, shared_params) -> tuple[dict, dict]:
-    """``(groups, shared_of)``: the :class:`Collectives` groups ``name -> (group, size, rank)``
-    ("dp", "mp", "world", then "tie0", "tie1", ... one per distinct group of ``shared_params``)
-    and ``{param: tie-group name}``."""
-    groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
-              "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
-              "world": (None, dist.get_world_size(), dist.get_rank())}
-    shared_of, ties = {}, 0
-    for p, g in shared_params:
-        name = next((n for n, (gg, _, _) in groups.items() if gg is g and n.startswith("tie")), None)
-        if name is None:
-            name, ties = f"tie{ties}", ties + 1
-            groups[name] = (g, dist.get_world_size(g), dist.get_rank(g))
-        shared_of[p] = name
-    return groups, shared_of

@@ -91,12 +91,12 @@ class Region:
         self.param_flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
         for p, o in zip(self.params, self.offsets):
             view = self.param_flat[o:o + p.numel()].view(p.shape)
-            if p.is_meta:  # same Parameter object, now a view (.data cannot change device)
+            if p.is_meta:  # .data cannot leave the meta device: swap in an empty real tensor first
                 view.copy_(_initial_value(param_init, p))
-                torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+                torch.utils.swap_tensors(p, torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad))
             else:
                 view.copy_(p.detach())
-                p.data = view
+            p.data = view  # (keeps the parameter's own version counter: gathers into the buffer are not edits)
         shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
         self.master = shard.float().clone()
         self.exp_avg = torch.zeros_like(self.master)
@@ -212,7 +212,11 @@ class Region:
 
     # ---- optimizer state -------------------------------------------------------------------
     def reload_master(self) -> None:
-        """Re-read the fp32 master shard (and stage 3's parameter shard) from the parameters."""
+        """Re-read the fp32 master shard (and stage 3's parameter shard) from the parameters; a
+        released stage-3 region re-reads its parameter shard (nothing is gathered)."""
+        if self.partitioned and not self.gathered:
+            self.master.copy_(self.param_shard)
+            return
         shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
         self.master.copy_(shard)
         if self.partitioned:
@@ -227,25 +231,48 @@ class Region:
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self, kind).copy_(state[kind])
 
-    def load_param_states(self, states_of) -> None:
-        """Per parameter: ``states_of(param)`` -> ``{"master", "exp_avg", "exp_avg_sq"}`` of its
-        (TP-local) shape; copies the part inside this shard ``[lo, lo + len)``:
-        ``shard[a - lo : b - lo] = state.flat[a - o : b - o]``, ``[a, b)`` the overlap with the
-        parameter's ``[o, o + numel)``.  Call :meth:`write_back` after."""
+    def load_ranges(self, fetch, kinds=("master", "exp_avg", "exp_avg_sq")) -> None:
+        """Fill this shard ``[lo, lo + len)`` parameter by parameter: for each parameter at
+        ``[o, o + numel)`` overlapping it in ``[a, b)``, ``shard[a - lo : b - lo] = fetch(param,
+        kind, a - o, b - o)`` (elements ``[a - o, b - o)`` of the parameter's flattened TP-local
+        tensor), so only those elements are ever read.  Kind ``"weight"`` fills the master
+        (rounded to the parameters' dtype first: masters = weights).  Call :meth:`write_back` after."""
         lo, hi = self.shard_lo, self.shard_lo + self.shard_len
         for p, o in zip(self.params, self.offsets):
             a, b = max(o, lo), min(o + p.numel(), hi)
             if a >= b:
                 continue
-            states = states_of(p)
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(self, kind)[a - lo:b - lo].copy_(states[kind].reshape(-1)[a - o:b - o])
+            for kind in kinds:
+                part = fetch(p, kind, a - o, b - o)
+                if kind == "weight":
+                    self.master[a - lo:b - lo].copy_(part.to(self.dtype))
+                else:
+                    getattr(self, kind)[a - lo:b - lo].copy_(part)
+
+    def load_param_states(self, states_of) -> None:
+        """Per parameter: ``states_of(param)`` -> ``{"master", "exp_avg", "exp_avg_sq"}`` of its
+        (TP-local) shape; copies the part inside this shard (:meth:`load_ranges`)."""
+        cache = {}
+
+        def fetch(p, kind, a, b):
+            if id(p) not in cache:
+                cache.clear()
+                cache[id(p)] = states_of(p)
+            return cache[id(p)][kind].reshape(-1)[a:b]
+        self.load_ranges(fetch)
+
+    def load_param_shard(self, shard: torch.Tensor) -> None:
+        """Stage 3: this rank's parameter shard as saved (params dtype); the master follows it."""
+        self.param_shard.copy_(shard)
+        self.master.copy_(self.param_shard)
 
     def describe(self, name_of: dict) -> dict:
-        """``{"params": [[name, offset, numel], ...], "padded", "shard_lo", "shard_len"}``
-        (``name_of``: id(param) -> name), for checkpoints."""
+        """``{"params": [[name, offset, numel], ...], "padded", "shard_lo", "shard_len",
+        "partitioned"}`` (``name_of``: id(param) -> name; ``partitioned``: stage-3 unit whose
+        parameters, too, exist only as this shard), for checkpoints."""
         return {"params": [[name_of[id(p)], o, p.numel()] for p, o in zip(self.params, self.offsets)],
-                "padded": self.padded, "shard_lo": self.shard_lo, "shard_len": self.shard_len}
+                "padded": self.padded, "shard_lo": self.shard_lo, "shard_len": self.shard_len,
+                "partitioned": self.partitioned}
 
     # ---- accounting ------------------------------------------------------------------------
     def state_bytes(self) -> dict:

@@ -36,7 +36,7 @@ def test_index_entry_equals_its_json_round_trip():
     index = schema.make_index([entry], {"output_layer.weight": "embedding.word_embeddings.weight"})
     meta = json.loads(json.dumps(schema.metadata(7, 56, schema.layout(1, 1, 1, None, 1, 0, torch.bfloat16),
                                                  {"seed": 1}, index, imported_from="x")))
-    assert meta["index"]["version"] == schema.VERSION == 2
+    assert meta["index"]["version"] == schema.VERSION == 3
     assert meta["layout"]["params_dtype"] == "bfloat16" and meta["imported_from"] == "x"
     assert schema.read_index(meta, "m") == ([entry], {"output_layer.weight": "embedding.word_embeddings.weight"})
 
@@ -49,6 +49,8 @@ def test_read_index_versions():
     assert schema.read_index(untied, "m") == (ranks, {})
     with pytest.raises(schema.CheckpointError, match="m: checkpoint format version 9"):
         schema.read_index({"index": {"version": 9, "ranks": ranks}}, "m")
+    v2 = {"args": {}, "index": {"version": 2, "aliases": {}, "ranks": ranks}}
+    assert schema.read_index(v2, "m") == (ranks, {})
     with pytest.raises(schema.CheckpointError, match="m has no index"):
         schema.read_index({"layout": {}}, "m")
 
@@ -85,3 +87,20 @@ def test_rng_round_trip():
     first = _draws(trackers)
     restore_rng(state, trackers)
     assert _draws(trackers) == first
+
+
+def test_format3_entries_compare_with_older_versions():
+    """A version-3 entry records where each weight is stored and which regions are partitioned;
+    compared with a version-1/2 entry (the exact-resume check) those fields are left out, and a
+    4-element (old) parameter entry reads as stored in the rank file's model."""
+    params = [schema.ParamEntry(0, "layers.0.mlp.fc1.weight", (8, 4), None, schema.STORED_SHARD),
+              schema.ParamEntry(0, "final_norm.weight", (4,), None, None)]
+    regions = [{"params": [["layers.0.mlp.fc1.weight", 0, 32]], "padded": 32, "shard_lo": 16, "shard_len": 16,
+                "partitioned": True}]
+    entry = schema.index_entry(1, 0, 0, 1, params, regions)
+    assert schema.entry_params(json.loads(json.dumps(entry))) == params
+    old = schema.comparable_entry(entry, 2)
+    assert [len(p) for p in old["params"]] == [4, 4] and "partitioned" not in old["regions"][0]
+    assert schema.comparable_entry(entry, 3) == entry
+    assert schema.ParamEntry.from_json(old["params"][0]).stored == schema.STORED_MODEL
+
