@@ -45,12 +45,14 @@ def gpt2_tokenizer(folder: str, texts: list[str], num_merges: int = 300) -> str:
 
 
 def llama_model(folder: str, vocab_size: int, seed: int = 0):
-    """Llama with GQA (4 heads, 2 groups) and an untied head, random weights, saved to ``folder``."""
+    """Llama with GQA (8 heads, 4 groups) and an untied head, random weights (std 0.3, so greedy
+    choices are clear-cut), saved to ``folder``."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                   initializer_range=0.3,
                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None)
     model = transformers.LlamaForCausalLM(cfg).eval()
     _randomize_norms(model)
@@ -59,12 +61,12 @@ def llama_model(folder: str, vocab_size: int, seed: int = 0):
 
 
 def gpt2_model(folder: str, vocab_size: int, seed: int = 0):
-    """GPT-2 (tanh GELU, tied head), random weights, saved to ``folder``."""
+    """GPT-2 (tanh GELU, tied head), random weights (std 0.3), saved to ``folder``."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=64, n_layer=4, n_head=4,
-                                  bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
+                                  initializer_range=0.3, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     _randomize_norms(model)
     model.save_pretrained(folder)

@@ -172,3 +172,25 @@ def test_tool_refuses_tp_without_ranks(tmp_path, monkeypatch):
     import generate as tool
     with pytest.raises(SystemExit, match="torchrun --nproc-per-node 2"):
         tool.main(["--load", str(tmp_path), "--tensor-model-parallel-size", "2", "--prompt", "x"])
+
+
+def test_tool_tokenizer_override_and_id_prompts(tmp_path):
+    """An imported model without tokenizer files: generate.py names the missing tokenizer, and
+    --tokenizer-type NullTokenizer --vocab-size V (V = the model's rows) takes prompts as ids."""
+    transformers = pytest.importorskip("transformers")
+    from tests.checkpoint.test_convert_checkpoint import tool as converter
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False, initializer_range=0.3)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    converter().from_hf(str(tmp_path / "hf"), str(tmp_path / "mz"))
+    gen = ["--load", str(tmp_path / "mz"), "--prompt", "5 17 3 9", "--max-new-tokens", "6"]
+    with pytest.raises(SystemExit, match="records no tokenizer"):
+        _run_tool(0, 1, gen)
+    got = _run_tool(0, 1, gen + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
+    out = hf.generate(torch.tensor([[5, 17, 3, 9]]), max_new_tokens=6, do_sample=False, eos_token_id=99,
+                      pad_token_id=0)[0, 4:].tolist()
+    new = out[:out.index(99)] if 99 in out else out
+    assert got == [" " + " ".join(str(i) for i in new)]

@@ -8,8 +8,10 @@
 The checkpoint may come from any training layout (TP, PP, VP, DP, ZeRO stage, dtype): its full,
 unpadded weights are read (:class:`megazero.checkpoint.reader.CheckpointReader`) and sliced for
 this run's TP size (the vocabulary re-padded for it). The model is one pipeline stage without
-sequence parallelism or dropout; the tokenizer comes from the saved arguments (``--tokenizer-model``,
-``--vocab-file``, ``--merge-file`` override paths). Prompts (``--prompt``, repeatable, and/or
+sequence parallelism or dropout; the tokenizer comes from the saved arguments (an imported model's is
+in ``DIR/tokenizer/``); ``--tokenizer-type`` replaces it and ``--tokenizer-model``, ``--vocab-file``,
+``--merge-file`` override paths. With ``--tokenizer-type NullTokenizer`` (``--vocab-size``, default
+the model's vocabulary) prompts and completions are whitespace-separated token ids. Prompts (``--prompt``, repeatable, and/or
 ``--prompt-file``, one per line) run in batches of ``--batch-size`` rows, left-padded.
 
 Decoding (:mod:`megazero.model.generation`): greedy by default; ``--temperature``, ``--top-k``,
@@ -54,9 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16", "saved"], default="fp32",
                    help="weights' dtype for generation (default fp32: fastest on CPU)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="override the checkpoint's recorded tokenizer (Megatron's names, as pretrain_gpt.py)")
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--vocab-file", default=None)
     p.add_argument("--merge-file", default=None)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary (default: the model's); prompts are then ids, e.g. '5 17 3'")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
     args = p.parse_args(argv)
@@ -110,14 +116,22 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
     return model, reader
 
 
-def build_tokenizer_from(saved: dict, args):
+def build_tokenizer_from(saved: dict, args, load_dir: str):
+    """The tokenizer: the checkpoint's recorded one (paths relative to ``load_dir`` resolved, see
+    ``saved_tokenizer_flags``), or ``--tokenizer-type``; explicit file flags override paths."""
     from types import SimpleNamespace
 
-    from megazero.data import build_tokenizer
-    t = dict(saved)
+    from megazero.data.tokenizers import build_tokenizer, saved_tokenizer_flags
+    t = saved_tokenizer_flags(saved, load_dir)
+    if args.tokenizer_type is not None and args.tokenizer_type != t.get("tokenizer_type"):
+        t = {"tokenizer_type": args.tokenizer_type}
     for key in ("tokenizer_model", "vocab_file", "merge_file"):
         if getattr(args, key) is not None:
             t[key] = getattr(args, key)
+    if not t.get("tokenizer_type"):
+        raise SystemExit(f"{load_dir}: the checkpoint records no tokenizer; pass --tokenizer-type (and its "
+                         "files), or --tokenizer-type NullTokenizer to give prompts as ids")
+    t["vocab_size"] = args.vocab_size if args.vocab_size is not None else saved.get("vocab_size")
     return build_tokenizer(SimpleNamespace(**t))
 
 
@@ -130,7 +144,7 @@ def main(argv=None) -> list[str]:
         torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
     model, reader = load_model(args.load, topo, device, args.iteration, args.params_dtype)
-    tok = build_tokenizer_from(reader.args, args)
+    tok = build_tokenizer_from(reader.args, args, args.load)
     eod = getattr(tok, "eod", None)
     if rank0:
         c, lay = model.config, reader.layout

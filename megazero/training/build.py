@@ -31,7 +31,7 @@ from megazero.config import OptimizerConfig
 from megazero.model.config import GPTConfig
 from megazero.parallel.launch import init_distributed
 from megazero.parallel.topology import Topology
-from megazero.training.data import build_datasets, vocab_size_of
+from megazero.training.data import build_datasets, vocab_size_of, with_checkpoint_tokenizer
 
 
 def build_configs(args) -> tuple[GPTConfig, OptimizerConfig]:
@@ -58,6 +58,7 @@ def setup(args, model_provider=None, forward_step_func=None):
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
 
+    args = with_checkpoint_tokenizer(args)  # an imported model's own tokenizer when none is named
     model_config, optimizer_config = build_configs(args)                                             # 1
     scheduler = build_lr_scheduler(args)  # Megatron's schedule or a DeepSpeed config's scheduler block
     launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)  # 2

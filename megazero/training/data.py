@@ -38,6 +38,21 @@ def vocab_size_of(args) -> int:
     return build_tokenizer(args).vocab_size
 
 
+def with_checkpoint_tokenizer(args):
+    """``args`` with the tokenizer flags recorded by ``--load``'s latest checkpoint when no
+    ``--tokenizer-type`` is given (an imported model: ``convert_checkpoint.py from-hf`` records
+    ``DIR/tokenizer``), so it trains and saves with its own tokenizer. No process group needed."""
+    if args.tokenizer_type is not None or not args.load:
+        return args
+    from megazero.checkpoint.files import latest_iteration, read_metadata
+    from megazero.data.tokenizers import saved_tokenizer_flags
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        return args
+    flags = saved_tokenizer_flags(read_metadata(args.load, iteration).get("args", {}), args.load)
+    return args.replace(**flags) if flags else args
+
+
 def sample_counts(args) -> tuple[int, int]:
     """(train, valid) samples the run will draw: ``train_iters * B`` and, for every evaluation
     (each ``eval_interval`` iterations plus one), ``eval_iters * B``."""
