@@ -53,13 +53,14 @@ def batches(steps, dp, M, mb=2, seed=1):
              for _ in range(dp)] for _ in range(steps)]
 
 
-def reference(data, *, lr=1e-2, wd=0.1, clip=0.0, layers=3, betas=(0.9, 0.95)):
-    """Single-process torch.optim.AdamW on the global batches; returns the final parameters."""
+def reference(data, *, lr=1e-2, wd=0.1, clip=0.0, layers=3, betas=(0.9, 0.95), optimizer=torch.optim.AdamW):
+    """Single-process ``optimizer`` (torch.optim.AdamW; or torch.optim.Adam: L2 decay) on the
+    global batches; returns the final parameters."""
     model = Net(layers)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}],
-                            lr=lr, betas=betas, foreach=True)
+    opt = optimizer([{"params": decay, "weight_decay": wd}, {"params": other, "weight_decay": 0.0}],
+                    lr=lr, betas=betas, foreach=True)
     for step in data:
         mbs = [mb for rank in step for mb in rank]
         for x, y in mbs:
