@@ -45,6 +45,17 @@ class Loaded:
     consumed_samples: int
     scheduler: dict | None
     counters: dict | None
+    bytes_read: int = 0  # tensor bytes this rank read from the checkpoint's files
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _rank() -> int:
@@ -192,11 +203,16 @@ def load_run(root: str, *, topo, stages, optimizer, layout: dict, model_config=N
                 f"{layout} in {time.time() - t0:.2f} s; note: RNG states are not restored across layouts, "
                 "this run's --seed streams are used")
     path = "exact" if exact else "resharded"
+    read = reader.bytes_read if reader is not None else 0
+    if exact:  # the fp32 state restored as saved (the weights, if read, are counted by the reader)
+        read += _nbytes(state.get(schema.OPTIMIZER, {}).get(schema.SHARDS)) if load_optim else 0
+        if reader is None or reader.version < 3:
+            read += _nbytes(state[schema.MODEL])
     if finetune:
         _print0(f"loaded weights from {root} iteration {iteration} (finetune: iteration 0)")
-        return Loaded(path, 0, 0, None, None)
+        return Loaded(path, 0, 0, None, None, read)
     if exact and load_rng and schema.RNG in state:
         restore_rng(state[schema.RNG], stages.rng_states)
     _print0(f"loaded checkpoint from {root} at iteration {iteration}")
     return Loaded(path, meta[schema.ITERATION], meta[schema.CONSUMED_SAMPLES], state.get(schema.SCHEDULER),
-                  dict(state[schema.COUNTERS]))
+                  dict(state[schema.COUNTERS]), read)

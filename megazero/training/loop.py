@@ -156,7 +156,7 @@ class Trainer:
                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
         if loaded is None:
             return
-        self.load_path = loaded.path
+        self.load_path, self.load_bytes = loaded.path, loaded.bytes_read
         if loaded.scheduler is not None:  # None: finetune, or imported weights (tools/convert_checkpoint.py)
             self.scheduler.load_state_dict(loaded.scheduler)
         if loaded.counters is not None:

@@ -1,0 +1,185 @@
+"""Per-rank peak resident memory by phase, bytes written per checkpoint and bytes read per rank on
+load, for ZeRO stages 0-3 at several DP sizes on a >= 100M-parameter bf16 GPT, against the ZeRO
+formulas. Run one configuration after another (never two at once)::
+
+    PYTHONPATH=. .venv/bin/python bench/memory.py                       # stages 0-3 x DP 2, 4; 12 x 1024
+    PYTHONPATH=. .venv/bin/python bench/memory.py --build-only --stages 3 --dp 8 --layers 16 --hidden 2048
+
+Each rank is a forked process (``megazero.testing.run_distributed``, one intra-op thread). Before a
+phase it resets its kernel peak-RSS counter (``/proc/self/clear_refs`` = 5, Linux) and after it
+reads ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: the phase's own peak, whatever came before.
+Phases: ``build`` (``training.setup``: the model -- on the meta device under ZeRO-3 -- and the
+optimizer), ``step`` (2 training iterations), ``save`` (format 3), ``load`` (the same layout: the
+exact path) and ``reshard`` (the previous configuration's checkpoint into this layout).
+
+Formulas, Φ parameters, N = DP, p = 2 (bf16), g = 4 (bf16 gradients accumulate in fp32):
+model states per rank ``(p+g+12)Φ`` / ``(p+g)Φ + 12Φ/N`` / ``pΦ + (g+12)Φ/N`` / ``(p+g+12)Φ/N``
+(``ZeroOptimizer.state_bytes()["formula"]``); bound per phase = 1.15 x (interpreter + formula +
+largest unit's full parameters and gradient (stage 3; else the largest fp32 draw) + activations,
+``sbh(34 + 5as/h)L`` + fp32 logits x 3). A checkpoint should hold one copy of the weights and
+fp32 state, ``(p + 12)Φ`` = 14Φ (the gradient is not saved); a rank's exact load reads its
+fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GB = 1e9
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_now() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextlib.contextmanager
+def _phase(peaks: dict, name: str):
+    _reset_peak()
+    t0 = time.time()
+    yield
+    peaks[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks[name + "_s"] = time.time() - t0
+
+
+def _flags(o, stage: int, dp: int) -> list[str]:
+    return ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
+            "--seq-length", str(o.seq), "--max-position-embeddings", str(o.seq), "--micro-batch-size", "1",
+            "--global-batch-size", str(dp), "--train-iters", "2", "--lr", "1e-4", "--bf16",
+            "--mock-data", "--vocab-size", "50257", "--zero-stage", str(stage), "--log-interval", "100",
+            "--eval-iters", "0", "--eval-interval", "1000", "--distributed-backend", "gloo",
+            "--zero-max-reuse-distance", "0", "--seed", "1"]
+
+
+def _sizes(opt) -> dict:
+    """Model-state bytes (actual, formula), Φ, the largest unit's transient bytes."""
+    sb = opt.state_bytes()
+    units = [r.padded for r in opt.regions if r.partitioned]
+    draw = 4 * max(p.numel() for r in opt.regions for p in r.params)
+    unit = max(units) * (sb["param_bytes"] + sb["grad_bytes"]) if units else 0
+    return {"states": sb["total"], "formula": sb["formula"], "phi": sb["phi"], "unit": max(unit, draw)}
+
+
+def _rank(rank, world, argv, out_dir, prev_dir, build_only):
+    from megazero.arguments import parse_args
+    from megazero.checkpoint import schema
+    from megazero.training import setup
+    peaks = {"interpreter": _rss_now()}
+    args = parse_args(argv, world_size=world)
+    with _phase(peaks, "build"):
+        trainer = setup(args)
+    result = dict(peaks, **_sizes(trainer.optimizer))
+    if build_only:
+        return result
+    with _phase(result, "step"):
+        trainer.train(None)
+    with _phase(result, "save"):
+        trainer.args = args.replace(save=out_dir)
+        trainer.save()
+    result["written"] = os.path.getsize(schema.rank_file(schema.iteration_dir(out_dir, 2), rank))
+    with _phase(result, "load"):
+        trainer.args = args.replace(load=out_dir)
+        trainer.load()
+    result["read_load"] = trainer.load_bytes
+    if prev_dir:
+        with _phase(result, "reshard"):
+            trainer.args = args.replace(load=prev_dir)
+            trainer.load()
+        result["read_reshard"] = trainer.load_bytes
+    return result
+
+
+def _activations(o) -> float:
+    s, h, a = o.seq, o.hidden, o.heads
+    return s * h * (34 + 5 * a * s / h) * o.layers + 3 * 4 * s * 50304
+
+
+def run_config(o, stage: int, dp: int, out_dir: str, prev_dir: str | None) -> dict:
+    from megazero.testing import run_distributed
+    ranks = run_distributed(_rank, dp, _flags(o, stage, dp), out_dir, prev_dir, o.build_only, timeout_s=7200)
+    r0 = ranks[0]
+    bound = 1.15 * (statistics.median(r["interpreter"] for r in ranks) + r0["formula"] + r0["unit"] + _activations(o))
+    phases = [p for p in ("build", "step", "save", "load", "reshard") if p in r0]
+    row = {"stage": stage, "dp": dp, "phi": r0["phi"], "formula": r0["formula"], "states": r0["states"],
+           "interpreter": statistics.median(r["interpreter"] for r in ranks), "bound": bound,
+           "peaks": {p: max(r[p] for r in ranks) for p in phases},
+           "seconds": {p: statistics.median(r[p + "_s"] for r in ranks) for p in phases}}
+    if not o.build_only:
+        row["written"] = sum(r["written"] for r in ranks) + os.path.getsize(os.path.join(out_dir, "iter_0000002",
+                                                                                        "metadata.json"))
+        row["read_load"] = max(r["read_load"] for r in ranks)
+        row["read_reshard"] = max(r.get("read_reshard", 0) for r in ranks)
+    return row
+
+
+def _table(rows, build_only: bool) -> str:
+    phases = ["build"] if build_only else ["build", "step", "save", "load", "reshard"]
+    head = ["ZeRO", "DP", "Φ (M)", "states / formula (GB)", "bound (GB)"] + [f"{p} peak (GB)" for p in phases]
+    if not build_only:
+        head += ["written / 14Φ", "read on load / 12Φ/N", "read on reshard (GB)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["stage"]), str(r["dp"]), f"{r['phi'] / 1e6:.0f}",
+                 f"{r['states'] / GB:.2f} / {r['formula'] / GB:.2f}", f"{r['bound'] / GB:.2f}"]
+        cells += [f"{r['peaks'][p] / GB:.2f}" + ("" if r["peaks"][p] <= r["bound"] else " (over)") if p in r["peaks"]
+                  else "-" for p in phases]
+        if not build_only:
+            share = 12 * r["phi"] / (r["dp"] if r["stage"] >= 1 else 1)
+            cells += [f"{r['written'] / GB:.2f} GB = {r['written'] / (14 * r['phi']):.3f}",
+                      f"{r['read_load'] / GB:.2f} GB = {r['read_load'] / share:.3f}",
+                      f"{r['read_reshard'] / GB:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    o = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="megazero_memory_")
+    rows, prev = [], None
+    try:
+        for dp in o.dp:
+            for stage in o.stages:
+                out = os.path.join(work, f"z{stage}dp{dp}")
+                load_avg = os.getloadavg()[0]
+                rows.append(dict(run_config(o, stage, dp, out, prev), load_before=load_avg))
+                print(json.dumps(rows[-1]), flush=True)
+                if prev:
+                    shutil.rmtree(prev, ignore_errors=True)
+                prev = None if o.build_only else out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(_table(rows, o.build_only))
+    if o.json:
+        with open(o.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
