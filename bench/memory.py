@@ -59,10 +59,10 @@ def _phase(peaks: dict, name: str):
     peaks[name + "_s"] = time.time() - t0
 
 
-def _flags(o, stage: int, dp: int) -> list[str]:
+def _flags(o, stage: int, dp: int, iters: int = 2) -> list[str]:
     return ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
             "--seq-length", str(o.seq), "--max-position-embeddings", str(o.seq), "--micro-batch-size", "1",
-            "--global-batch-size", str(dp), "--train-iters", "2", "--lr", "1e-4", "--bf16",
+            "--global-batch-size", str(dp), "--train-iters", str(iters), "--lr", "1e-4", "--bf16",
             "--mock-data", "--vocab-size", "50257", "--zero-stage", str(stage), "--log-interval", "100",
             "--eval-iters", "0", "--eval-interval", "1000", "--distributed-backend", "gloo",
             "--zero-max-reuse-distance", "0", "--seed", "1"]
@@ -149,6 +149,34 @@ def _table(rows, build_only: bool) -> str:
     return "\n".join(out)
 
 
+def save_timing(o, stage: int, dp: int) -> dict:
+    """Iteration times (ms, from the log) of ``pretrain_gpt.py`` under torchrun, saving at
+    iterations 3 and 6 of 8, without and with ``--async-save``: the save's cost lands in the
+    iteration after it (the log line is printed before the save)."""
+    import re
+    import subprocess
+
+    from megazero.testing import free_port
+    out = {}
+    for mode in ("sync", "async"):
+        folder = tempfile.mkdtemp(prefix="megazero_save_timing_")
+        flags = _flags(o, stage, dp, iters=8) + ["--log-interval", "1", "--save", folder, "--save-interval", "3"]
+        flags += ["--async-save"] if mode == "async" else []
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(dp),
+               "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + flags
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        text = done.stdout
+        shutil.rmtree(folder, ignore_errors=True)
+        times = {int(m.group(1)): float(m.group(2))
+                 for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)", text)}
+        after = [times[4], times[7]]
+        normal = [t for i, t in times.items() if i not in (1, 4, 7)]
+        out[mode] = {"after_save_ms": after, "normal_median_ms": statistics.median(normal), "times": times}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -159,7 +187,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--save-timing", action="store_true", help="iteration time after a save, with and without "
+                   "--async-save (first --stages / --dp value)")
     o = p.parse_args(argv)
+    if o.save_timing:
+        print(json.dumps(save_timing(o, o.stages[0], o.dp[0]), indent=1))
+        return 0
     work = tempfile.mkdtemp(prefix="megazero_memory_")
     rows, prev = [], None
     try:

@@ -5,14 +5,17 @@ TP split rule and local shape; its ZeRO regions with their ordered ``(name, offs
 this rank's shard); rank 0 gathers these small descriptions into ``metadata.json["index"]``
 (:mod:`megazero.checkpoint.schema`). Nothing else is gathered: each rank writes only what it owns.
 
-Loading (:func:`load_resharded`), for every parameter this rank holds in the new layout:
+Loading (:func:`load_resharded`), for every parameter this rank holds in the new layout, only
+the elements ``[a, b)`` of its flat TP-local tensor that fall in this rank's new ZeRO shard
+(:meth:`ZeroOptimizer.load_param_ranges`):
 
-* weights: ``local = to_local(module, name, full)`` with ``full`` from
-  :meth:`CheckpointReader.full_param` (padding rows of the new vocabulary split are zero);
-* optimizer (unless ``--no-load-optim``): the full fp32 master, ``exp_avg`` and ``exp_avg_sq``
-  are sliced the same way, and the part of that slice inside this rank's new ZeRO shard is
-  copied in (:meth:`ZeroOptimizer.load_param_states`); the parameters are then written back from
-  the fp32 masters, exactly as after an optimizer step (so fp32 -> bf16 rounds the master once);
+* optimizer (unless ``--no-load-optim``): fp32 master, ``exp_avg`` and ``exp_avg_sq`` ranges;
+  the parameters are then written back from the masters, exactly as after an optimizer step
+  (so fp32 -> bf16 rounds the master once);
+* weights only: the weight's range into the master (rounded to the parameter dtype), then the
+  same write-back; moments untouched;
+* a range is ``to_local(module, name, full)`` of the full tensor when the TP split changed
+  (padding rows of the new vocabulary split are zero);
 * the optimizer step count and loss scaler come from rank 0's file (they are equal on all ranks).
 
 Each rank asks only for the elements inside its new ZeRO shard: with the TP split unchanged

@@ -71,3 +71,31 @@ def test_errors_name_the_file(tmp_path):
     with pytest.raises(schema.CheckpointError, match="tensor_model_parallel_size saved 1 vs now 2; "
                                                    "data_parallel_size saved 2 vs now 1"):
         ckpt.check_layout(LAYOUT, now, str(d))
+
+
+def _async_save(rank, world_size, root, iteration, bad_rank):
+    """--async-save's protocol: the file is written in a background thread from host copies; the
+    pointer moves only in finish(), and a failed write on any rank is raised on every rank."""
+    state = {"w": torch.full((3,), float(iteration * 10 + rank))}
+    if rank == bad_rank:
+        state["bad"] = lambda: None  # torch.save cannot pickle it: the writer fails
+    pending = ckpt.PendingSave(root, iteration, rank, state, {"iteration": iteration, "layout": LAYOUT})
+    pending.start(background=True)
+    before = ckpt.latest_iteration(root)
+    try:
+        path = pending.finish()
+    except schema.CheckpointError as e:
+        return before, str(e)
+    return before, path
+
+
+def test_async_save_publishes_in_finish_and_reports_a_failed_write(tmp_path):
+    root = str(tmp_path)
+    results = run_distributed(_async_save, 2, root, 1, -1)
+    assert [r[1] for r in results] == [schema.iteration_dir(root, 1)] * 2
+    assert all(r[0] in (None, 1) for r in results) and ckpt.latest_iteration(root) == 1
+    assert torch.equal(ckpt.load_rank_state(root, 1, 1)["w"], torch.full((3,), 11.0))
+    results = run_distributed(_async_save, 2, root, 2, 1)
+    for before, message in results:  # every rank learns that rank 1 failed, and why
+        assert before == 1 and "rank 1:" in message and "iter_0000002" in message
+    assert ckpt.latest_iteration(root) == 1 and not os.path.exists(schema.iteration_dir(root, 2))
