@@ -9,7 +9,7 @@ Each rank is a forked process (``megazero.testing.run_distributed``, one intra-o
 phase it resets its kernel peak-RSS counter (``/proc/self/clear_refs`` = 5, Linux) and after it
 reads ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: the phase's own peak, whatever came before.
 Phases: ``build`` (``training.setup``: the model -- on the meta device under ZeRO-3 -- and the
-optimizer), ``step`` (2 training iterations), ``save`` (format 3), ``load`` (the same layout: the
+optimizer), ``step`` (1 training iteration), ``save`` (format 3), ``load`` (the same layout: the
 exact path) and ``reshard`` (the previous configuration's checkpoint into this layout).
 
 Formulas, Φ parameters, N = DP, p = 2 (bf16), g = 4 (bf16 gradients accumulate in fp32):
@@ -18,7 +18,8 @@ model states per rank ``(p+g+12)Φ`` / ``(p+g)Φ + 12Φ/N`` / ``pΦ + (g+12)Φ/N
 largest unit's full parameters and gradient (stage 3; else the largest fp32 draw) + activations,
 ``sbh(34 + 5as/h)L`` + fp32 logits x 3). A checkpoint should hold one copy of the weights and
 fp32 state, ``(p + 12)Φ`` = 14Φ (the gradient is not saved); a rank's exact load reads its
-fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0).
+fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, whose touched pages
+(clean page cache the kernel may drop) count in RSS: the load and reshard bounds add the bytes read.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _phase(peaks: dict, name: str):
     peaks[name + "_s"] = time.time() - t0
 
 
-def _flags(o, stage: int, dp: int, iters: int = 2) -> list[str]:
+def _flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
     return ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
             "--seq-length", str(o.seq), "--max-position-embeddings", str(o.seq), "--micro-batch-size", "1",
             "--global-batch-size", str(dp), "--train-iters", str(iters), "--lr", "1e-4", "--bf16",
@@ -93,7 +94,7 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only):
     with _phase(result, "save"):
         trainer.args = args.replace(save=out_dir)
         trainer.save()
-    result["written"] = os.path.getsize(schema.rank_file(schema.iteration_dir(out_dir, 2), rank))
+    result["written"] = os.path.getsize(schema.rank_file(schema.iteration_dir(out_dir, 1), rank))
     with _phase(result, "load"):
         trainer.args = args.replace(load=out_dir)
         trainer.load()
@@ -122,7 +123,7 @@ def run_config(o, stage: int, dp: int, out_dir: str, prev_dir: str | None) -> di
            "peaks": {p: max(r[p] for r in ranks) for p in phases},
            "seconds": {p: statistics.median(r[p + "_s"] for r in ranks) for p in phases}}
     if not o.build_only:
-        row["written"] = sum(r["written"] for r in ranks) + os.path.getsize(os.path.join(out_dir, "iter_0000002",
+        row["written"] = sum(r["written"] for r in ranks) + os.path.getsize(os.path.join(out_dir, "iter_0000001",
                                                                                         "metadata.json"))
         row["read_load"] = max(r["read_load"] for r in ranks)
         row["read_reshard"] = max(r.get("read_reshard", 0) for r in ranks)
@@ -138,8 +139,10 @@ def _table(rows, build_only: bool) -> str:
     for r in rows:
         cells = [str(r["stage"]), str(r["dp"]), f"{r['phi'] / 1e6:.0f}",
                  f"{r['states'] / GB:.2f} / {r['formula'] / GB:.2f}", f"{r['bound'] / GB:.2f}"]
-        cells += [f"{r['peaks'][p] / GB:.2f}" + ("" if r["peaks"][p] <= r["bound"] else " (over)") if p in r["peaks"]
-                  else "-" for p in phases]
+        for p in phases:  # loading maps the files: the touched (clean, reclaimable) pages count in RSS
+            bound = r["bound"] + r.get({"load": "read_load", "reshard": "read_reshard"}.get(p, ""), 0)
+            cells.append("-" if p not in r["peaks"] else
+                         f"{r['peaks'][p] / GB:.2f}" + ("" if r["peaks"][p] <= bound else " (over)"))
         if not build_only:
             share = 12 * r["phi"] / (r["dp"] if r["stage"] >= 1 else 1)
             cells += [f"{r['written'] / GB:.2f} GB = {r['written'] / (14 * r['phi']):.3f}",

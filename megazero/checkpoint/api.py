@@ -79,20 +79,22 @@ def _host(obj):
 
 
 def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: dict, save_optim: bool,
-              save_rng: bool) -> dict:
-    """This rank's file as host copies of what it alone writes (schema, "Written once")."""
+              save_rng: bool, copy: bool) -> dict:
+    """This rank's file: what it alone writes (schema, "Written once"), on the host; ``copy``
+    (a background save): copies the training may not touch, else the live CPU tensors (a
+    synchronous save writes them before the next step: no extra memory)."""
     whole = {p[1] for p in index["params"] if p[4] == schema.STORED_MODEL}
     model = [{} for _ in stages.chunks]
     for c, name, _, _, p, _ in named_parameters(stages.chunks):
         if name in whole:
-            model[c][name] = p.detach().to("cpu", copy=True)
+            model[c][name] = p.detach().to("cpu", copy=copy)
     shards = [r["partitioned"] for r in index["regions"]]
     optimizer_state = None
     if save_optim:  # ZeRO 0: the replicas are DP rank 0's
-        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0))
+        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=copy))
     return schema.rank_state(model, scheduler_state, counters, rng=rng_state(stages.rng_states) if save_rng else None,
                              optimizer=optimizer_state,
-                             param_shards=_host(optimizer.param_shards()) if any(shards) else None)
+                             param_shards=_host(optimizer.param_shards(copy)) if any(shards) else None)
 
 
 def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
@@ -107,7 +109,7 @@ def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | No
     ``saved_args``: JSON values recorded as the run's arguments (with the model's keys).
     Nothing is gathered but the index: ZeRO-3 writes its shards as they are."""
     index = rank_index(topo, stages.chunks, optimizer)
-    state = _snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng)
+    state = _snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng, background)
     rank = _rank()
     if dist.is_initialized():
         indices = [None] * dist.get_world_size() if rank == 0 else None

@@ -222,9 +222,11 @@ class Region:
         if self.partitioned:
             self.param_shard.copy_(shard)
 
-    def shard_state(self) -> dict:
-        """Copies of this rank's ``master``, ``exp_avg``, ``exp_avg_sq`` shards (fp32)."""
-        return {"master": self.master.clone(), "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
+    def shard_state(self, copy: bool = True) -> dict:
+        """This rank's ``master``, ``exp_avg``, ``exp_avg_sq`` shards (fp32): copies, or with
+        ``copy=False`` the live tensors (to write them out before the next step)."""
+        kinds = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        return {k: v.clone() if copy else v for k, v in kinds.items()}
 
     def load_shard_state(self, state: dict) -> None:
         """Inverse of :meth:`shard_state` (same layout); call :meth:`write_back` after."""

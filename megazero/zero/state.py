@@ -16,16 +16,18 @@ import torch
 class ShardState:
     """Mixed into :class:`~.optimizer.ZeroOptimizer` (uses its ``regions``, ``scaler`` and counters)."""
 
-    def state_dict(self, shards: bool = True) -> dict:
-        """Counters and (``shards``) copies of this rank's fp32 master/moment shards per region."""
+    def state_dict(self, shards: bool = True, copy: bool = True) -> dict:
+        """Counters and (``shards``) this rank's fp32 master/moment shards per region: copies, or
+        the live tensors with ``copy=False`` (a synchronous save writes them as they are)."""
         return {"iteration": self.iteration, "scaler": self.scaler.state_dict(),
                 "skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
-                "shards": [r.shard_state() for r in self.regions] if shards else []}
+                "shards": [r.shard_state(copy) for r in self.regions] if shards else []}
 
-    def param_shards(self) -> list:
-        """Stage 3: per region a copy of this rank's parameter shard (params dtype, ``[shard_lo,
-        shard_lo + shard_len)`` of the flat region), None for a region kept whole. Nothing is gathered."""
-        return [r.param_shard.clone() if r.partitioned else None for r in self.regions]
+    def param_shards(self, copy: bool = True) -> list:
+        """Stage 3: per region this rank's parameter shard (params dtype, ``[shard_lo, shard_lo +
+        shard_len)`` of the flat region; a copy unless ``copy=False``), None for a region kept
+        whole. Nothing is gathered."""
+        return [(r.param_shard.clone() if copy else r.param_shard) if r.partitioned else None for r in self.regions]
 
     def load_param_shards(self, shards) -> None:
         """Inverse of :meth:`param_shards` (same layout): parameter and master shards of the
