@@ -28,14 +28,10 @@ import argparse
 import math
 import os
 import sys
-import warnings
 
-import torch
-
+from megazero.args_checks import TOKENIZERS, derive, validate
 from megazero.deepspeed_config import apply_deepspeed_config
-
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-              "HuggingFaceTokenizer", "NullTokenizer")  # = megazero.data.tokenizers.TOKENIZER_TYPES
+from megazero.megatron_flags import add_compat_flags, apply_megatron_flags
 
 
 
@@ -87,6 +83,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="no learned position embedding (with --position-embedding-type rope: nothing to drop)")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+                   help="SDPA backend on CUDA: flash, fused = memory-efficient, unfused/local = math, auto = SDPA's choice")
+    g.add_argument("--use-flash-attn", action="store_true", help="= --attention-backend flash")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -117,12 +118,23 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None, help="sample-based training (iterations derived)")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'T:B ...'",
+                   help="global batch size by consumed tokens; honoured while constant over the run")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="ignored, as in Megatron-LM core_v0.19.0 (deprecated there)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit after the iteration at which the run has lasted this long")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="per-token mean over the global batch (equal to megazero's without --eod-mask-loss)")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration divisible by this")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM/SIGUSR1, save a checkpoint and exit 0 at the end of the iteration (as Megatron)")
+    g.add_argument("--exit-signal", default="SIGTERM", help="also trapped by --exit-signal-handler (a signal name)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     g.add_argument("--pipeline-trace", default=None, metavar="FILE",
                    help="write a Chrome-trace JSON of the pipeline schedule of one step")
 
@@ -132,6 +144,16 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default --train-samples")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warm-up = fraction of the decay length")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="LR at the start of warm-up")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="take the schedule's settings from the flags, not the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="take the schedule's settings from the checkpoint")
 
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100)
@@ -139,7 +161,19 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true", help="throughput per GPU in the log line")
+    g.add_argument("--log-params-norm", action="store_true", help="parameter L2 norm in the log line")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   dest="log_loss_scale_to_tensorboard", action="store_false")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    for name in ("project", "exp-name", "save-dir", "entity"):
+        g.add_argument(f"--wandb-{name}", default=None, help="Weights & Biases (needs the wandb package)")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -155,6 +189,10 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only and reset iteration to 0")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load and no checkpoint there, exit instead of starting from scratch")
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   help="torch_dist or torch: megazero's format (reshards on load, like torch_dist)")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
@@ -178,6 +216,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="= ZeRO stage 1 (at least)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="gradient reduction overlapped with backward (megazero's default, --zero-overlap-comm)")
 
     g = p.add_argument_group("ZeRO (DeepSpeed names in --deepspeed-config)")
     g.add_argument("--zero-stage", type=int, default=0)
@@ -201,6 +242,12 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="random tokens instead of --data-path")
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after end-of-document")
     g.add_argument("--tokenizer-type", default=None, help="one of " + ", ".join(TOKENIZERS))
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
@@ -213,6 +260,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
     for add_flags in (_model_flags, _training_flags, _checkpoint_flags, _parallel_flags, _data_flags):
         add_flags(p)
+    add_compat_flags(p)  # Megatron-LM's other flags: no effect here (class 2) or an error (class 3)
     return p
 
 
@@ -237,127 +285,16 @@ def world_size_from_env(env=os.environ) -> int:
     return 1
 
 
-def derive(args) -> None:
-    """Compute every derived value (one place). Assumes :func:`validate` passed."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    args.data_parallel_size = args.world_size // (tp * pp)
-    if args.num_layers_per_virtual_pipeline_stage:
-        args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
-    else:
-        args.virtual_pipeline_model_parallel_size = None
-    if args.micro_batch_size and args.global_batch_size:
-        args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-    if args.bf16:
-        args.accumulate_allreduce_grads_in_fp32 = True
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _validate_grid(err, args) -> None:
-    """TP and PP at least 1, and TP x PP divides the world size."""
-    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(args, name) < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if world % (tp * pp):
-        err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}")
-
-
-def _validate_layout(err, args) -> None:
-    """Layers split evenly over PP (x VP); the global batch over micro-batches x DP."""
-    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    dp = world // (tp * pp)
-    if args.num_layers is not None:
-        if args.num_layers % pp:
-            err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        per_vp = args.num_layers_per_virtual_pipeline_stage
-        if per_vp is not None:
-            if pp == 1:
-                err("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-            if per_vp < 1 or args.num_layers % (pp * per_vp):
-                err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                    f"--num-layers-per-virtual-pipeline-stage {per_vp} = {pp * per_vp}")
-    mbs, gbs = args.micro_batch_size, args.global_batch_size
-    if mbs is not None and gbs is not None:
-        if gbs % (mbs * dp):
-            err(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
-                f"= {mbs * dp}")
-        m = gbs // (mbs * dp)
-        if args.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and m % pp:
-            err(f"with interleaving, the number of micro-batches {m} (--global-batch-size {gbs} / "
-                f"(--micro-batch-size {mbs} x DP {dp})) must be a multiple of --pipeline-model-parallel-size {pp}")
-    if args.sequence_parallel and tp == 1:
-        warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turning it off", stacklevel=3)
-        args.sequence_parallel = False
-
-
-def _validate_model(err, args) -> None:
-    """Positive sizes; hidden size, heads and query groups divisible as attention and TP need."""
-    tp = args.tensor_model_parallel_size
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    h, heads = args.hidden_size, args.num_attention_heads
-    if h is not None and h % tp:
-        err(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}")
-    if heads is not None:
-        if heads % tp:
-            err(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
-        if h is not None and args.kv_channels is None and h % heads:
-            err(f"--hidden-size {h} is not divisible by --num-attention-heads {heads}")
-        groups = args.num_query_groups
-        if groups is not None:
-            if groups < 1 or heads % groups:
-                err(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
-            if groups % tp:
-                err(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    if (args.position_embedding_type == "learned_absolute" and args.seq_length is not None
-            and args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings):
-        err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings} "
-            "with learned absolute positions")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        err("--recompute-method needs --recompute-granularity full")
-    if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
-        err("--recompute-method needs --recompute-num-layers")
-
-
-def _validate_run(err, args) -> None:
-    """Precision, ZeRO knobs, tokenizer, schedule; a --load folder that does not exist yet is
-    Megatron's first run of a requeue script: a warning, then training starts from scratch."""
-    if args.fp16 and args.bf16:
-        err("--fp16 and --bf16 are mutually exclusive")
-    if args.zero_stage not in (0, 1, 2, 3):
-        err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
-    for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
-                 "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
-        if getattr(args, dest) < 0:
-            err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
-    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
-        err(f"--load {args.load} is not a directory")
-    if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
-        err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if args.lr_warmup_iters < 0:
-        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
-
-
-def validate(parser, args) -> None:
-    """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does."""
-    err = lambda msg: _fail(parser, msg)  # noqa: E731
-    for check in (_validate_grid, _validate_model, _validate_layout, _validate_run):
-        check(err, args)
-
-
-def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None):
-    """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 on bad input."""
+def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None,
+               training: bool = False):
+    """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 on bad input.
+    ``training`` (``pretrain_gpt.py``): also require what a training run needs (sizes, the length
+    of the run, ``--lr``), as Megatron's validation does."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()
+    apply_megatron_flags(args, lambda msg: _fail(parser, msg))
     if args.group_query_attention and args.num_query_groups is None:
         _fail(parser, "--group-query-attention needs --num-query-groups")
     if args.num_query_groups is not None and not args.group_query_attention:
@@ -367,6 +304,6 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None, pro
                       "--group-query-attention for GQA, or drop --num-query-groups")
     if args.deepspeed_config:
         apply_deepspeed_config(parser, args, _explicit_dests(parser, argv))
-    validate(parser, args)
+    validate(parser, args, training=training)
     derive(args)
     return args.freeze()

@@ -88,12 +88,53 @@ def test_deepspeed_state_and_errors():
 
 
 def test_build_lr_scheduler_picks_the_schedule():
-    base = dict(lr=0.3, min_lr=0.0, lr_warmup_iters=2, lr_decay_iters=10, lr_decay_style="constant")
+    base = dict(lr=0.3, min_lr=0.0, lr_warmup_iters=2, lr_decay_iters=10, lr_decay_style="constant",
+                train_iters=10, train_samples=None, global_batch_size=4, lr_warmup_fraction=None, lr_warmup_init=0.0,
+                override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
     megatron = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler=None))
-    assert isinstance(megatron, LRScheduler) and megatron.get_lr(1) == 0.15
+    # Megatron counts samples: 2 warm-up iterations of 4 samples = 8; one step (4 samples) in: half the peak
+    assert isinstance(megatron, LRScheduler) and megatron.get_lr(4) == 0.15
     ds = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler={
         "type": "WarmupLR", "warmup_min_lr": 0.0, "warmup_max_lr": 0.3, "warmup_num_steps": 2,
         "warmup_type": "linear"}))
     assert isinstance(ds, DeepSpeedLRScheduler) and [ds.get_lr(n) for n in (1, 2, 3)] == [0.0, 0.15, 0.3]
     with pytest.raises(ValueError, match="--lr is required"):
         build_lr_scheduler(SimpleNamespace(**{**base, "lr": None}, deepspeed_scheduler=None))
+
+
+def megatron_args(**changes):
+    base = dict(lr=1.0, min_lr=0.1, lr_warmup_iters=0, lr_decay_iters=None, lr_decay_style="linear", train_iters=10,
+                train_samples=None, lr_decay_samples=None, lr_warmup_samples=0, global_batch_size=8,
+                lr_warmup_fraction=None, lr_warmup_init=0.0, override_opt_param_scheduler=False,
+                use_checkpoint_opt_param_scheduler=False, deepspeed_scheduler=None)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_megatron_schedule_in_samples_fraction_and_init():
+    """get_optimizer_param_scheduler (Megatron-LM core_v0.19.0): iteration runs use iters x B
+    steps, sample runs the samples; --lr-warmup-fraction of the decay length; --lr-warmup-init."""
+    s = build_lr_scheduler(megatron_args(lr_warmup_iters=2, lr_warmup_init=0.2))
+    assert (s.warmup_iters, s.decay_iters) == (16, 80)
+    assert s.get_lr(0) == 0.2 and s.get_lr(8) == pytest.approx(0.6) and s.get_lr(16) == 1.0
+    s = build_lr_scheduler(megatron_args(train_iters=None, train_samples=1000, lr_decay_samples=900,
+                                         lr_warmup_fraction=0.1))
+    assert (s.warmup_iters, s.decay_iters) == (90, 900)
+    assert s.get_lr(45) == pytest.approx(0.5) and s.get_lr(495) == pytest.approx(0.55)
+    s = build_lr_scheduler(megatron_args(train_iters=None, train_samples=1000, lr_warmup_samples=100))
+    assert (s.warmup_iters, s.decay_iters) == (100, 1000)
+    assert s.step(8) == pytest.approx(0.08)
+
+
+def test_override_and_use_checkpoint_scheduler():
+    saved = build_lr_scheduler(megatron_args())
+    saved.step(24)
+    state = saved.state_dict()
+    changed = megatron_args(lr=2.0)
+    with pytest.raises(ValueError, match="--override-opt_param-scheduler"):
+        build_lr_scheduler(changed).load_state_dict(state)
+    kept = build_lr_scheduler(megatron_args(lr=2.0, override_opt_param_scheduler=True))
+    kept.load_state_dict(state)
+    assert kept.lr == 2.0 and kept.num_steps == 24
+    taken = build_lr_scheduler(megatron_args(lr=2.0, use_checkpoint_opt_param_scheduler=True))
+    taken.load_state_dict(state)
+    assert taken.lr == 1.0 and taken.get_lr() == saved.get_lr()

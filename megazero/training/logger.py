@@ -35,21 +35,70 @@ def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, iteration_ms: float,
-                   tflops_per_gpu: float, lr: float, global_batch_size: int, losses: dict[str, float],
-                   loss_scale: float, grad_norm: float | None, skipped: int, nans: int) -> str:
-    """Megatron's per-iteration log line."""
-    parts = [f" iteration {iteration:8d}/{train_iters:8d} |",
-             f" consumed samples: {consumed_samples:12d} |",
-             f" elapsed time per iteration (ms): {iteration_ms:.1f} |",
-             f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |",
-             f" learning rate: {lr:.6E} |",
-             f" global batch size: {global_batch_size:5d} |"]
+                   tflops_per_gpu: float | None, lr: float | None, global_batch_size: int, losses: dict[str, float],
+                   loss_scale: float, grad_norm: float | None, skipped: int, nans: int,
+                   timestamp: str | None = None, params_norm: float | None = None) -> str:
+    """Megatron's per-iteration log line (core_v0.15.0 ``training_log``): ``timestamp`` as
+    `` [%Y-%m-%d %H:%M:%S]`` first; throughput only with ``--log-throughput``
+    (``tflops_per_gpu`` not None); ``losses`` may be empty (no successful step yet)."""
+    parts = [f" [{timestamp}]"] if timestamp is not None else []
+    parts += [f" iteration {iteration:8d}/{train_iters:8d} |",
+              f" consumed samples: {consumed_samples:12d} |",
+              f" elapsed time per iteration (ms): {iteration_ms:.1f} |"]
+    if tflops_per_gpu is not None:
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |")
+    if lr is not None:
+        parts.append(f" learning rate: {lr:.6E} |")
+    parts.append(f" global batch size: {global_batch_size:5d} |")
     parts += [f" {name}: {value:.6E} |" for name, value in losses.items()]
     parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f} |")
+    if params_norm is not None:
+        parts.append(f" params norm: {params_norm:.3f} |")
     parts += [f" number of skipped iterations: {skipped:3d} |", f" number of nan iterations: {nans:3d} |"]
     return "".join(parts)
+
+
+class IntervalStats:
+    """Megatron's ``total_loss_dict`` of ``training_log`` (core_v0.15.0): counters per log interval.
+
+    Per iteration :meth:`add`: an applied step adds 1 to ``advanced`` and its loss to
+    ``loss_sum``; a skipped one adds 1 to ``skipped`` and, if its loss is inf or NaN, 1 to
+    ``nans`` (a skipped step whose loss is finite -- a gradient overflow -- is not a NaN
+    iteration). :meth:`reset` after each printed line zeroes the counters and the loss sum. The
+    printed ``lm loss`` is ``loss_sum / max(1, advanced)``, shown only if it is > 0: an interval
+    without an applied step prints no ``lm loss`` at all.
+    """
+
+    def __init__(self):
+        self.advanced = self.skipped = self.nans = 0
+        self.loss_sum = None
+
+    def add(self, applied: bool, loss=None, loss_is_nan: bool = False) -> None:
+        if applied:
+            self.advanced += 1
+            if loss is not None:
+                self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        else:
+            self.skipped += 1
+            self.nans += int(loss_is_nan)
+
+    @property
+    def iterations(self) -> int:
+        return self.advanced + self.skipped
+
+    def losses(self, loss_sum: float | None) -> dict[str, float]:
+        """The ``lm loss`` entry to print from the (data-parallel reduced) ``loss_sum``."""
+        if loss_sum is None:
+            return {}
+        avg = loss_sum / max(1, self.advanced)
+        return {"lm loss": avg} if avg > 0.0 else {}
+
+    def reset(self) -> None:
+        self.advanced = self.skipped = self.nans = 0
+        if self.loss_sum is not None:
+            self.loss_sum = self.loss_sum * 0.0
 
 
 def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
@@ -62,11 +111,11 @@ def validation_line(iteration: int, loss: float, split: str = "validation") -> s
 class TensorBoardLogger:
     """One ``SummaryWriter`` (created only on the rank that owns the loss) with paired scalars."""
 
-    def __init__(self, log_dir: str | None, enabled: bool):
+    def __init__(self, log_dir: str | None, enabled: bool, max_queue: int = 1000):
         self.writer = None
         if log_dir and enabled:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
     def scalars(self, values: dict[str, float], iteration: int, consumed_samples: int) -> None:
         if self.writer is None:

@@ -13,8 +13,10 @@ import math
 import os
 import signal
 import sys
+import contextlib
 import time
 import traceback
+from datetime import datetime
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,8 @@ from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
 from megazero.training.data import micro_batch_iterator
-from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.logger import IntervalStats, iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.lr_schedule import LRScheduler
 from megazero.training.signals import ExitSignal
 
 
@@ -51,6 +54,8 @@ class Trainer:
         self.first_iteration = 0  # where this process started (set again by train())
         self.pending_save = None  # --async-save: the checkpoint still being written
         self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
+        self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
+        self.start_time = time.time()  # --exit-duration-in-mins counts from here
 
     def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
         return micro_batch_iterator(dataset, consumed_samples, seq_length=self.args.seq_length,
@@ -66,8 +71,9 @@ class Trainer:
         traced = args.pipeline_trace and steps_done == min(2, args.train_iters - self.first_iteration - 1)
         trace = ScheduleTrace() if traced else None
         self.optimizer.zero_grad()
-        losses = self.runner.run(self.chunks, micro_batches, self.forward_step, grad_scale=self.optimizer.loss_scale,
-                                 forward_only=False, trace=trace)
+        with attention_backend(args.attention_backend, self.device):
+            losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
+                                     grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
         if trace is not None:
             write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: _print_rank(self.rank, 0, s))
         self.optimizer.finish_grad_sync()
@@ -155,6 +161,10 @@ class Trainer:
                           layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
         if loaded is None:
+            if args.exit_on_missing_checkpoint:
+                _print_rank(self.rank, 0, f">> no checkpoint in --load {args.load} and --exit-on-missing-checkpoint "
+                                          "is set: exiting")
+                raise SystemExit(0)
             return
         self.load_path, self.load_bytes = loaded.path, loaded.bytes_read
         if loaded.scheduler is not None:  # None: finetune, or imported weights (tools/convert_checkpoint.py)
@@ -166,21 +176,22 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------
     def train(self, exit_signal: ExitSignal | None) -> None:
         """Iterate to ``--train-iters``; ``exit_signal`` (``--exit-signal-handler``) makes every rank
-        save and return at the end of the iteration in which any rank received the signal."""
+        save and return at the end of the iteration in which any rank received the signal. Logged
+        every ``--log-interval`` iterations as Megatron's ``training_log``."""
         args = self.args
         self.first_iteration = self.iteration
         it = self._micro_batches(self.train_ds, self.consumed_samples)
-        log_losses, log_start, log_iters = [], time.time(), 0
+        log_start = time.time()
         while self.iteration < args.train_iters:
             losses, ok, grad_norm = self.train_step([next(it) for _ in range(args.num_micro_batches)])
-            self._count_step(ok, grad_norm)
             loss = self._local_loss(losses)
-            if loss is not None and ok:
-                log_losses.append(loss)
-            log_iters += 1
-            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                self._log(self._dp_mean(log_losses), (time.time() - log_start) / log_iters, grad_norm)
-                log_losses, log_start, log_iters = [], time.time(), 0
+            self.stats.add(ok, loss, loss_is_nan=not ok and self._loss_not_finite(loss))
+            self._count_step(ok, grad_norm)
+            grad_norm = grad_norm if ok else None  # Megatron's optimizer reports no norm for a skipped step
+            self._tensorboard_step(loss, grad_norm)
+            if self.iteration % args.log_interval == 0:
+                self._log((time.time() - log_start) / self.stats.iterations, grad_norm)
+                log_start = time.time()
             if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 self._log_validation(self.evaluate())
             if self._save_or_exit(exit_signal):
@@ -190,12 +201,25 @@ class Trainer:
             self.save()
         self.finish_save()
 
+    def _loss_not_finite(self, loss) -> bool:
+        """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
+        DP-reduced loss); the last stage only, and only on skipped steps."""
+        if loss is None:
+            return False
+        bad = (~torch.isfinite(loss)).float().reshape(1)
+        if self.topo.dp > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_group)
+        return bool(bad.item())
+
     def _count_step(self, ok: bool, grad_norm) -> None:
         """After a step: iteration and sample counters; the LR schedule advances only on an
-        applied step (a skipped fp16-overflow step leaves it where it was, as Megatron-LM's
-        ``train_step`` and DeepSpeed's ``_take_model_step`` do); skip/NaN counters."""
+        applied step, by its global batch size (Megatron-LM's ``train_step``; a skipped
+        fp16-overflow step leaves it where it was, as DeepSpeed's ``_take_model_step`` too)."""
         if ok:
-            self.scheduler.step()
+            if isinstance(self.scheduler, LRScheduler):
+                self.scheduler.step(self.args.global_batch_size)
+            else:
+                self.scheduler.step()
         self.iteration += 1
         self.consumed_samples += self.args.global_batch_size
         if not ok:
@@ -206,47 +230,96 @@ class Trainer:
     def _log_validation(self, val: float | None) -> None:
         if self.rank == self.last_rank and val is not None:
             print(validation_line(self.iteration, val), flush=True)
-            self.tb.scalars({"lm loss validation": val, "lm loss validation ppl": math.exp(min(20.0, val))},
-                            self.iteration, self.consumed_samples)
+            scalars = {"lm loss validation": val}
+            if self.args.log_validation_ppl_to_tensorboard:
+                scalars["lm loss validation ppl"] = math.exp(min(20.0, val))
+            self.tb.scalars(scalars, self.iteration, self.consumed_samples)
 
     def _save_or_exit(self, exit_signal: ExitSignal | None) -> bool:
-        """Save when due (``--save-interval``, a signal, ``--exit-interval``); True to stop now.
-        With a signal handler, one all-reduce (MAX) of the flag makes every rank agree."""
+        """Save when due (``--save-interval``, a signal, ``--exit-interval``,
+        ``--exit-duration-in-mins``); True to stop now. With a signal handler or a duration, one
+        all-reduce (MAX) of the two flags per iteration makes every rank agree."""
         args = self.args
-        signalled = False
-        if exit_signal is not None:
-            flag = torch.tensor([1 if exit_signal.received else 0], dtype=torch.int32, device=self.device)
+        signalled = timed_out = False
+        if exit_signal is not None or args.exit_duration_in_mins is not None:
+            minutes = (time.time() - self.start_time) / 60.0
+            flag = torch.tensor([int(exit_signal is not None and exit_signal.received),
+                                 int(args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins)],
+                                dtype=torch.int32, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signalled = bool(flag.item())
+            signalled, timed_out = (bool(v) for v in flag.tolist())
+        if timed_out and not signalled:
+            _print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
+                                      f"--exit-duration-in-mins {args.exit_duration_in_mins}")
+        signalled = signalled or timed_out
         exiting = signalled or bool(args.exit_interval and self.iteration % args.exit_interval == 0)
         due = bool(args.save_interval and self.iteration % args.save_interval == 0)
         if args.save and (due or exiting):
             self.save()
-        if signalled:
+        if signalled and not timed_out:
             _print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
         elif exiting:
             _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
         return exiting
 
-    def _log(self, lm: float | None, seconds_per_iter: float, grad_norm) -> None:
+    def _log(self, seconds_per_iter: float, grad_norm) -> None:
+        """Megatron's line on the last rank; the interval's loss sum is averaged over the DP group
+        (the last stage's ranks join that one all-reduce)."""
+        args, stats = self.args, self.stats
+        loss_sum = None if stats.loss_sum is None else self._dp_mean([stats.loss_sum])
+        if self.rank == self.last_rank:
+            losses = stats.losses(loss_sum)
+            self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
+            tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
+            print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
+                                 consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
+                                 tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
+                                 global_batch_size=args.global_batch_size, losses=losses,
+                                 loss_scale=float(self.optimizer.loss_scale), grad_norm=grad_norm,
+                                 skipped=stats.skipped, nans=stats.nans,
+                                 timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
+            if args.log_timers_to_tensorboard:
+                self.tb.scalars({"iteration-time": seconds_per_iter,
+                                 "throughput": tflops if args.log_throughput else None},
+                                self.iteration, self.consumed_samples)
+        stats.reset()
+
+    def _tensorboard_step(self, loss, grad_norm) -> None:
+        """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
+        the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
+        ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
+        communication counters. Collective on the last stage (the loss's DP mean)."""
         args = self.args
+        if not args.tensorboard_dir or self.iteration % args.tensorboard_log_interval:
+            return
+        lm = self._dp_mean([loss]) if loss is not None else None
         if self.rank != self.last_rank:
             return
-        lm = float("nan") if lm is None else lm
-        self.history.append((self.iteration, lm))
-        tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
-        lr = self.scheduler.get_lr(self.scheduler.num_steps - 1)
-        scale = float(self.optimizer.loss_scale)
-        print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
-                             consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
-                             tflops_per_gpu=tflops, lr=lr, global_batch_size=args.global_batch_size,
-                             losses={"lm loss": lm}, loss_scale=scale, grad_norm=grad_norm,
-                             skipped=self.skipped, nans=self.nans), flush=True)
-        scalars = {"lm loss": lm, "learning-rate": lr, "loss-scale": scale, "grad-norm": grad_norm,
-                   "batch-size": args.global_batch_size, "iteration-time": seconds_per_iter, "throughput": tflops}
-        scalars.update(memory_scalars(self.device))
+        scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
+                   "grad-norm": grad_norm}
+        if args.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = float(self.optimizer.loss_scale)
+        if args.log_world_size_to_tensorboard:
+            scalars["world-size"] = args.world_size
+        if args.log_memory_to_tensorboard:
+            scalars.update(memory_scalars(self.device))
         scalars.update(self.optimizer.comm_scalars())
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
+
+
+@contextlib.contextmanager
+def attention_backend(name: str, device: torch.device):
+    """``--attention-backend`` / ``--use-flash-attn`` as SDPA backends on CUDA: flash -> FLASH_ATTENTION,
+    fused -> EFFICIENT_ATTENTION, unfused/local -> MATH; auto leaves SDPA's own choice (on CPU SDPA
+    computes the same function whatever the name)."""
+    if name == "auto" or device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.EFFICIENT_ATTENTION,
+               "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}[name]
+    with sdpa_kernel([backend]):
+        yield
 
 
 def memory_scalars(device: torch.device) -> dict:
@@ -268,7 +341,8 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     file. The process group is torn down on the way out, so peers see a closed connection
     instead of waiting for the collective timeout.
     """
-    exit_signal = ExitSignal.install((signal.SIGTERM, signal.SIGUSR1)) if args.exit_signal_handler else None
+    signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[args.exit_signal.upper()]}
+    exit_signal = ExitSignal.install(sorted(signums)) if args.exit_signal_handler else None
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
         trainer = setup(args, model_provider, forward_step_func)

@@ -1,4 +1,4 @@
-"""Learning-rate schedules, counted in optimizer steps: Megatron-LM's and DeepSpeed's.
+"""Learning-rate schedules: Megatron-LM's (counted in samples) and DeepSpeed's (in optimizer steps).
 
 :func:`build_lr_scheduler` picks the one the arguments ask for: a ``scheduler`` block of the
 ``--deepspeed-config`` (``args.deepspeed_scheduler``, resolved by :mod:`megazero.deepspeed_config`)
@@ -7,19 +7,29 @@ Both have the same interface: ``get_lr(n=None)``, ``step()``, ``num_steps``, ``s
 ``load_state_dict(state, override=False)``; iteration ``i`` (1-based) trains with ``get_lr()``
 taken before its ``step()``, i.e. the rate for ``n = i - 1``.
 
-Megatron (:class:`LRScheduler`):
+Megatron (:class:`LRScheduler`, Megatron-LM core_v0.19.0 ``OptimizerParamScheduler``):
 
-With ``W`` warm-up iterations, ``D`` decay iterations, peak ``lr`` and floor ``min_lr``, the rate
-after ``n`` optimizer steps is::
+The schedule counts *samples*: every applied optimizer step advances it by that step's global
+batch size (a skipped fp16-overflow step does not advance it). With ``W`` warm-up and ``D`` decay
+steps, peak ``lr``, floor ``min_lr`` and start ``init_lr`` (``--lr-warmup-init``), after ``n``::
 
-    n <= W (W > 0):   lr * n / W
+    n <= W (W > 0):   init_lr + (lr - init_lr) * n / W
+    constant style:   lr
     n >  D:           min_lr
     otherwise:        min_lr + c(r) * (lr - min_lr),   r = (n - W) / (D - W)
-        constant: c = 1       linear: c = 1 - r       cosine: c = (1 + cos(pi * r)) / 2
+        linear: c = 1 - r       cosine: c = (1 + cos(pi * r)) / 2
 
-Iteration ``i`` (1-based) trains with the rate for ``n = i - 1``, so warm-up starts at zero as
-in Megatron. The state is just ``n``; :meth:`state_dict` saves it with the settings, and loading
-checks the settings match (a changed schedule on resume is named, not silently applied).
+:func:`build_lr_scheduler` takes ``D = --lr-decay-iters * B`` (default ``--train-iters``) and
+``W = --lr-warmup-iters * B`` for iteration-based runs, ``D = --lr-decay-samples`` (default
+``--train-samples``) and ``W = --lr-warmup-samples`` for sample-based ones; with
+``--lr-warmup-fraction f``, ``W = f * D``. Iteration ``i`` trains with the rate for the samples of
+the ``i - 1`` earlier applied steps, so warm-up starts at ``init_lr``; the log line prints the
+rate after the step (what the next iteration uses), as Megatron prints it.
+
+:meth:`LRScheduler.state_dict` saves ``n`` with the settings. Loading checks the settings equal
+the flags' (a changed schedule is named, not silently applied), unless
+``--override-opt_param-scheduler`` (keep the flags') or ``--use-checkpoint-opt_param-scheduler``
+(take the checkpoint's), as Megatron.
 """
 
 from __future__ import annotations
@@ -30,20 +40,24 @@ DEEPSPEED_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 class LRScheduler:
-    def __init__(self, lr: float, min_lr: float = 0.0, warmup_iters: int = 0, decay_iters: int | None = None,
-                 decay_style: str = "linear"):
+    SETTINGS = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")  # compared on load
+
+    def __init__(self, lr: float, min_lr: float = 0.0, warmup_iters: float = 0, decay_iters: float | None = None,
+                 decay_style: str = "linear", *, init_lr: float = 0.0, override: bool = False,
+                 use_checkpoint: bool = False):
         if decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"unknown --lr-decay-style {decay_style!r}")
         if decay_iters is not None and decay_iters < warmup_iters:
-            raise ValueError(f"--lr-decay-iters {decay_iters} is smaller than --lr-warmup-iters {warmup_iters}")
-        self.lr, self.min_lr = float(lr), float(min_lr)
+            raise ValueError(f"the LR decay length {decay_iters} is smaller than the warm-up {warmup_iters}")
+        self.lr, self.min_lr, self.init_lr = float(lr), float(min_lr), float(init_lr)
         self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
+        self.override, self.use_checkpoint = override, use_checkpoint
         self.num_steps = 0
 
-    def get_lr(self, n: int | None = None) -> float:
+    def get_lr(self, n: float | None = None) -> float:
         n = self.num_steps if n is None else n
         if self.warmup_iters > 0 and n <= self.warmup_iters:
-            return self.lr * n / self.warmup_iters
+            return self.init_lr + (self.lr - self.init_lr) * n / self.warmup_iters
         if self.decay_style == "constant":
             return self.lr
         if self.decay_iters is None or n > self.decay_iters:
@@ -53,23 +67,28 @@ class LRScheduler:
         coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return self.min_lr + coeff * (self.lr - self.min_lr)
 
-    def step(self) -> float:
-        """Advance one iteration; return the rate the next iteration trains with."""
-        self.num_steps += 1
+    def step(self, increment: int = 1) -> float:
+        """Advance by ``increment`` (Megatron: the applied step's global batch size); return the
+        rate the next iteration trains with."""
+        self.num_steps += increment
         return self.get_lr()
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "lr": self.lr, "min_lr": self.min_lr,
-                "warmup_iters": self.warmup_iters, "decay_iters": self.decay_iters, "decay_style": self.decay_style}
+        return {"num_steps": self.num_steps, "init_lr": self.init_lr, **{k: getattr(self, k) for k in self.SETTINGS}}
 
     def load_state_dict(self, state: dict, override: bool = False) -> None:
-        """Restore ``num_steps``; unless ``override``, the saved settings must equal ours."""
-        if not override:
-            for key in ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style"):
-                if state[key] != getattr(self, key):
-                    raise ValueError(f"LR schedule changed since the checkpoint: {key} was {state[key]!r}, "
-                                     f"now {getattr(self, key)!r}")
-        self.num_steps = int(state["num_steps"])
+        """Restore ``num_steps``; the settings: the flags' (``override``), the checkpoint's
+        (``use_checkpoint``), or else they must be equal."""
+        for key in self.SETTINGS:
+            if override or self.override:
+                continue
+            if self.use_checkpoint:
+                setattr(self, key, state[key])
+            elif state[key] != getattr(self, key):
+                raise ValueError(f"LR schedule changed since the checkpoint: {key} was {state[key]!r}, now "
+                                 f"{getattr(self, key)!r} (--override-opt_param-scheduler keeps the flags', "
+                                 "--use-checkpoint-opt_param-scheduler takes the checkpoint's)")
+        self.num_steps = state["num_steps"]
 
 
 class DeepSpeedLRScheduler:
@@ -159,11 +178,21 @@ class DeepSpeedLRScheduler:
 
 def build_lr_scheduler(args):
     """The scheduler the training loop uses: ``args.deepspeed_scheduler`` (a dict of
-    :class:`DeepSpeedLRScheduler`'s keywords, set by ``--deepspeed-config``) or Megatron's
-    (``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-iters``, ``--lr-decay-style``)."""
+    :class:`DeepSpeedLRScheduler`'s keywords, set by ``--deepspeed-config``) or Megatron's, in
+    samples (module docstring)."""
     settings = getattr(args, "deepspeed_scheduler", None)
     if settings:
         return DeepSpeedLRScheduler(**settings)
     if args.lr is None:
         raise ValueError("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
-    return LRScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters, args.lr_decay_style)
+    if args.train_samples is None:
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * args.global_batch_size
+        warmup = args.lr_warmup_iters * args.global_batch_size
+    else:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return LRScheduler(args.lr, args.min_lr, warmup, decay, args.lr_decay_style, init_lr=args.lr_warmup_init,
+                       override=args.override_opt_param_scheduler,
+                       use_checkpoint=args.use_checkpoint_opt_param_scheduler)

@@ -1,0 +1,688 @@
+"""Megatron-LM's GPT-training flags and megazero's class for each (data; read by megazero.megatron_flags).
+
+Built from the argument parser of Megatron-LM core_v0.19.0 (commit 5be9626709af2722333bf54797c954c09edeada3,
+``megatron/training/arguments.py``: every group ``add_megatron_arguments`` registers except the
+RL, vision, biencoder, inference and distillation groups, which belong to other entry points).
+One flag per line, tab-separated:
+
+    options (comma-separated aliases)  dest  arity  Megatron's default  class  what it does here
+
+arity: 0 a switch, 1 one value, + / * a list, N exactly N values. class: 1 honoured (same meaning
+as Megatron's), 2 accepted with no effect on the numbers here (named in one start-up line),
+3 changes training and is not available (an error when set to anything but Megatron's default).
+"""
+
+TABLE = """\
+--tensor-model-parallel-size	tensor_model_parallel_size	1	1	1	as in Megatron-LM
+--tensor-parallel-num-weight-shards	tensor_parallel_num_weight_shards	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--pipeline-model-parallel-comm-backend	pipeline_model_parallel_comm_backend	1	None	2	communication scheduling or placement: same numbers
+--pipeline-model-parallel-size	pipeline_model_parallel_size	1	1	1	as in Megatron-LM
+--sequence-parallel	sequence_parallel	0	False	1	as in Megatron-LM
+--context-parallel-size	context_parallel_size	1	1	3	context parallelism is not available: use --sequence-parallel with tensor parallelism
+--hierarchical-context-parallel-sizes	hierarchical_context_parallel_sizes	+	None	3	context parallelism is not available: use --sequence-parallel with tensor parallelism
+--max-seqlen-per-dp-cp-rank	max_seqlen_per_dp_cp_rank	1	None	3	context parallelism is not available: use --sequence-parallel with tensor parallelism
+--hybrid-context-parallel	hybrid_context_parallel	0	False	3	context parallelism is not available: use --sequence-parallel with tensor parallelism
+--expert-model-parallel-size	expert_model_parallel_size	1	1	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--expert-tensor-parallel-size	expert_tensor_parallel_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--expert-tensor-parallel-num-weight-shards	expert_tensor_parallel_num_weight_shards	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--no-initialization	perform_initialization	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--use-cpu-initialization	use_cpu_initialization	0	None	2	runtime mechanics or an option of a component not used here: same numbers
+--fp16	fp16	0	False	1	as in Megatron-LM
+--bf16	bf16	0	False	1	as in Megatron-LM
+--deterministic-mode	deterministic_mode	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--tp-comm-overlap	tp_comm_overlap	0	False	2	communication scheduling or placement: same numbers
+--no-tp-comm-bulk-wgrad,--disable-tp-comm-bulk-wgrad	tp_comm_bulk_wgrad	0	True	2	communication scheduling or placement: same numbers
+--no-tp-comm-bulk-dgrad,--disable-tp-comm-bulk-dgrad	tp_comm_bulk_dgrad	0	True	2	communication scheduling or placement: same numbers
+--no-tp-comm-overlap-ag,--disable-tp-comm-overlap-ag	tp_comm_overlap_ag	0	True	2	communication scheduling or placement: same numbers
+--no-tp-comm-overlap-rs,--disable-tp-comm-overlap-rs	tp_comm_overlap_rs	0	True	2	communication scheduling or placement: same numbers
+--tp-comm-overlap-rs-dgrad	tp_comm_overlap_rs_dgrad	0	False	2	communication scheduling or placement: same numbers
+--no-tp-comm-split-ag,--disable-tp-comm-split-ag	tp_comm_split_ag	0	True	2	communication scheduling or placement: same numbers
+--no-tp-comm-split-rs,--disable-tp-comm-split-rs	tp_comm_split_rs	0	True	2	communication scheduling or placement: same numbers
+--cross-entropy-loss-fusion	cross_entropy_loss_fusion	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--cross-entropy-fusion-impl	cross_entropy_fusion_impl	1	'native'	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--tp-comm-bootstrap-backend	tp_comm_bootstrap_backend	1	'nccl'	2	communication scheduling or placement: same numbers
+--overlap-moe-expert-parallel-comm	overlap_moe_expert_parallel_comm	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--delay-wgrad-compute	delay_wgrad_compute	0	False	2	communication scheduling or placement: same numbers
+--overlap-dispatch-backward-with-experts-wgrad	overlap_dispatch_backward_with_experts_wgrad	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--ep-overlap-early-attn-memory-release	ep_overlap_early_attn_memory_release	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--use-ring-exchange-p2p	use_ring_exchange_p2p	0	False	2	communication scheduling or placement: same numbers
+--defer-embedding-wgrad-compute	defer_embedding_wgrad_compute	0	False	2	communication scheduling or placement: same numbers
+--wgrad-deferral-limit	wgrad_deferral_limit	1	0	2	communication scheduling or placement: same numbers
+--overlap-p2p-communication-warmup-flush	overlap_p2p_comm_warmup_flush	0	False	2	communication scheduling or placement: same numbers
+--microbatch-group-size-per-virtual-pipeline-stage	microbatch_group_size_per_vp_stage	1	None	2	communication scheduling or placement: same numbers
+--mtp-standalone	mtp_standalone	0	False	3	multi-token prediction is not available
+--cpu-offloading-num-layers	cpu_offloading_num_layers	1	0	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--cpu-offloading-retain-pinned-cpu-buffers	cpu_offloading_retain_pinned_cpu_buffers	0	False	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--num-layers	num_layers	1	None	1	as in Megatron-LM
+--mtp-num-layers	mtp_num_layers	1	None	3	multi-token prediction is not available
+--mtp-loss-scaling-factor	mtp_loss_scaling_factor	1	0.1	3	multi-token prediction is not available
+--mtp-use-repeated-layer	mtp_use_repeated_layer	0	False	3	multi-token prediction is not available
+--mtp-detach-heads	mtp_detach_heads	0	False	3	multi-token prediction is not available
+--mtp-hybrid-override-pattern	mtp_hybrid_override_pattern	1	None	3	multi-token prediction is not available
+--account-for-embedding-in-pipeline-split	account_for_embedding_in_pipeline_split	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--account-for-loss-in-pipeline-split	account_for_loss_in_pipeline_split	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--hidden-size	hidden_size	1	None	1	as in Megatron-LM
+--num-attention-heads	num_attention_heads	1	None	1	as in Megatron-LM
+--attention-backend	attention_backend	1	'auto'	1	SDPA backend: flash -> flash, fused -> memory-efficient, unfused/local -> math, auto -> SDPA's choice (CUDA; CPU always math)
+--flash-attention-version	flash_attention_version	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--softmax-type	softmax_type	1	'vanilla'	3	this model variant is not available in megazero's GPT (docs/model.md)
+--num-query-groups	num_query_groups	1	1	1	as in Megatron-LM
+--ffn-hidden-size	ffn_hidden_size	1	None	1	as in Megatron-LM
+--kv-channels	kv_channels	1	None	1	as in Megatron-LM
+--hidden-dropout	hidden_dropout	1	0.1	1	as in Megatron-LM
+--attention-dropout	attention_dropout	1	0.1	1	as in Megatron-LM
+--fp32-residual-connection	fp32_residual_connection	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--apply-residual-connection-post-layernorm	apply_residual_connection_post_layernorm	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--norm-epsilon	layernorm_epsilon	1	1e-05	1	as in Megatron-LM
+--apply-layernorm-1p	layernorm_zero_centered_gamma	0	False	3	zero-centred norm weights (scale 1 + w) are not available: drop it (norm weights start at 1, the same function in fp32, not the same bf16 rounding)
+--disable-bias-linear	add_bias_linear	0	True	1	as in Megatron-LM
+--add-qkv-bias	add_qkv_bias	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--glu-linear-offset	glu_linear_offset	1	0.0	3	hybrid/SSM/sparse attention models are not available
+--activation-func-clamp-value	activation_func_clamp_value	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--rotary-interleaved	rotary_interleaved	0	False	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--normalization	normalization	1	'LayerNorm'	1	as in Megatron-LM
+--qk-layernorm	qk_layernorm	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--qk-l2-norm	qk_l2_norm	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--qk-clip	qk_clip	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--qk-clip-alpha	qk_clip_alpha	1	0.5	3	this model variant is not available in megazero's GPT (docs/model.md)
+--qk-clip-threshold	qk_clip_threshold	1	100	3	this model variant is not available in megazero's GPT (docs/model.md)
+--attention-output-gate	attention_output_gate	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--calculate-per-token-loss	calculate_per_token_loss	0	False	1	per-token mean over the global batch; honoured where it equals the mean of micro-batch means (no --eod-mask-loss), else an error
+--multi-latent-attention	multi_latent_attention	0	False	3	multi-latent attention is not available
+--experimental-attention-variant	experimental_attention_variant	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-n-heads	dsa_indexer_n_heads	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-head-dim	dsa_indexer_head_dim	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-topk	dsa_indexer_topk	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-topk-freq	dsa_indexer_topk_freq	1	1	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-skip-topk-offset	dsa_indexer_skip_topk_offset	1	0	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-loss-coeff	dsa_indexer_loss_coeff	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-use-sparse-loss	dsa_indexer_use_sparse_loss	0	False	3	hybrid/SSM/sparse attention models are not available
+--dsa-kernel-backend	dsa_kernel_backend	1	'none'	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-rope-interleaved	dsa_indexer_rope_interleaved	0	False	3	hybrid/SSM/sparse attention models are not available
+--no-dsa-indexer-rotate-activation,--disable-dsa-indexer-rotate-activation	dsa_indexer_rotate_activation	0	True	3	hybrid/SSM/sparse attention models are not available
+--no-dsa-indexer-scoring-relu,--disable-dsa-indexer-scoring-relu	dsa_indexer_scoring_relu	0	True	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-k-norm-epsilon	dsa_indexer_k_norm_epsilon	1	None	3	hybrid/SSM/sparse attention models are not available
+--dsa-indexer-k-norm-fp32	dsa_indexer_k_norm_fp32	0	False	3	hybrid/SSM/sparse attention models are not available
+--linear-conv-kernel-dim	linear_conv_kernel_dim	1	4	3	hybrid/SSM/sparse attention models are not available
+--linear-key-head-dim	linear_key_head_dim	1	128	3	hybrid/SSM/sparse attention models are not available
+--linear-value-head-dim	linear_value_head_dim	1	128	3	hybrid/SSM/sparse attention models are not available
+--linear-num-key-heads	linear_num_key_heads	1	16	3	hybrid/SSM/sparse attention models are not available
+--linear-num-value-heads	linear_num_value_heads	1	32	3	hybrid/SSM/sparse attention models are not available
+--init-method-std	init_method_std	1	0.02	1	as in Megatron-LM
+--embedding-init-method-std	embedding_init_method_std	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--init-model-with-meta-device	init_model_with_meta_device	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--use-mup	use_mup	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-width-mult	mup_width_mult	1	1.0	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-base-hidden-size	mup_base_hidden_size	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-embedding-mult	mup_embedding_mult	1	1.0	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-output-mult	mup_output_mult	1	1.0	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-base-head-dim	mup_base_head_dim	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--mup-attn-scale-power	mup_attn_scale_power	1	1.0	3	this model variant is not available in megazero's GPT (docs/model.md)
+--apply-query-key-layer-scaling	apply_query_key_layer_scaling	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--disable-bf16-reduced-precision-matmul	disable_bf16_reduced_precision_matmul	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--use-fused-weighted-squared-relu	use_fused_weighted_squared_relu	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--fused-residual-rmsnorm	fused_residual_rmsnorm	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--use-transformer-engine-op-fuser	use_transformer_engine_op_fuser	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--recompute-granularity	recompute_granularity	1	None	1	as in Megatron-LM
+--recompute-method	recompute_method	1	None	1	as in Megatron-LM
+--recompute-num-layers	recompute_num_layers	1	None	1	as in Megatron-LM
+--distribute-saved-activations	distribute_saved_activations	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--recompute-modules	recompute_modules	+	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fp8-format	fp8	1	None	3	fp8/fp4 training is not available: use --bf16
+--fp8-recipe	fp8_recipe	1	'delayed'	3	fp8/fp4 training is not available: use --bf16
+--fp8-quantizer-factory	fp8_quantizer_factory	1	None	3	fp8/fp4 training is not available: use --bf16
+--fp8-margin	fp8_margin	1	0	3	fp8/fp4 training is not available: use --bf16
+--fp8-interval	fp8_interval	1	1	3	fp8/fp4 training is not available: use --bf16
+--fp8-amax-history-len	fp8_amax_history_len	1	1	3	fp8/fp4 training is not available: use --bf16
+--fp8-amax-compute-algo	fp8_amax_compute_algo	1	'most_recent'	3	fp8/fp4 training is not available: use --bf16
+--no-fp8-wgrad,--disable-fp8-wgrad	fp8_wgrad	0	True	3	fp8/fp4 training is not available: use --bf16
+--fp8-output-proj	fp8_output_proj	0	False	3	fp8/fp4 training is not available: use --bf16
+--first-last-layers-bf16	first_last_layers_bf16	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--num-layers-at-start-in-bf16	num_layers_at_start_in_bf16	1	1	3	not available in megazero: drop it to train what Megatron trains by default
+--num-layers-at-end-in-bf16	num_layers_at_end_in_bf16	1	1	3	not available in megazero: drop it to train what Megatron trains by default
+--use-kitchen-attention	use_kitchen_attention	0	False	3	fp8/fp4 training is not available: use --bf16
+--kitchen-attention-backend	kitchen_attention_backend	1	'sdpa'	3	fp8/fp4 training is not available: use --bf16
+--fp4-format	fp4	1	None	3	fp8/fp4 training is not available: use --bf16
+--fp4-recipe	fp4_recipe	1	'nvfp4'	3	fp8/fp4 training is not available: use --bf16
+--fp4-quantizer-factory	fp4_quantizer_factory	1	None	3	fp8/fp4 training is not available: use --bf16
+--high-priority-a2a-comm-stream	high_priority_a2a_comm_stream	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--moe-shared-expert-intermediate-size	moe_shared_expert_intermediate_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-shared-expert-gate	moe_shared_expert_gate	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-shared-expert-overlap	moe_shared_expert_overlap	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--use-grouped-gemm-for-shared-expert	use_grouped_gemm_for_shared_expert	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-shared-expert-glu-interleave-size	moe_shared_expert_glu_interleave_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-ffn-hidden-size	moe_ffn_hidden_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-topk	moe_router_topk	1	2	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-enable-routing-replay	moe_enable_routing_replay	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-padding-for-quantization	moe_router_padding_for_quantization	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-padding-for-fp8	moe_router_padding_for_fp8	0	False	3	fp8/fp4 training is not available: use --bf16
+--moe-router-num-groups	moe_router_num_groups	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-group-topk	moe_router_group_topk	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-pre-softmax	moe_router_pre_softmax	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-topk-scaling-factor	moe_router_topk_scaling_factor	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-score-function	moe_router_score_function	1	'softmax'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-dtype	moe_router_dtype	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-enable-expert-bias	moe_router_enable_expert_bias	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-bias-update-rate	moe_router_bias_update_rate	1	0.001	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-quantile-balancing-ema	moe_router_quantile_balancing_ema	1	0.0	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-force-load-balancing	moe_router_force_load_balancing	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-force-biased	moe_router_force_biased	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--use-grouped-gemm-for-dense-mlp	use_grouped_gemm_for_dense_mlp	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--moe-grouped-gemm	moe_grouped_gemm	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-single-grouped-weight	moe_single_grouped_weight	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-single-grouped-bias	moe_single_grouped_bias	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-z-loss-coeff	moe_z_loss_coeff	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-input-jitter-eps	moe_input_jitter_eps	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-token-dispatcher-type	moe_token_dispatcher_type	1	'allgather'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-enable-deepep	moe_enable_deepep	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-flex-dispatcher-backend	moe_flex_dispatcher_backend	1	'deepep'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-permute-fusion-into-hybridep	moe_permute_fusion_into_hybridep	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-hybridep-pad-uneven-dispatch-inputs	moe_hybridep_pad_uneven_dispatch_inputs	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-per-layer-logging	moe_per_layer_logging	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-expert-capacity-factor	moe_expert_capacity_factor	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-pad-expert-input-to-capacity	moe_pad_expert_input_to_capacity	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-pad-experts-for-cuda-graph-inference	moe_pad_experts_for_cuda_graph_inference	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-token-drop-policy	moe_token_drop_policy	1	'probs'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-layer-recompute	moe_layer_recompute	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-permute-fusion	moe_permute_fusion	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-fusion	moe_router_fusion	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-apply-probs-on-input	moe_apply_probs_on_input	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-latent-size	moe_latent_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-flex-dispatcher-num-sms	moe_flex_dispatcher_num_sms	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-deepep-num-sms	moe_deepep_num_sms	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-hybridep-num-sms	moe_hybridep_num_sms	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-hybridep-num-blocks-permute	moe_hybridep_num_blocks_permute	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-hybridep-num-blocks-unpermute	moe_hybridep_num_blocks_unpermute	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-hybridep-num-sms-preprocessing	moe_hybridep_num_sms_preprocessing	1	108	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-ncclep-static-shape	moe_ncclep_static_shape	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-ncclep-zero-copy	moe_ncclep_zero_copy	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-mlp-glu-interleave-size	moe_mlp_glu_interleave_size	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-expert-rank-capacity-factor	moe_expert_rank_capacity_factor	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--enable-cuda-graph	enable_cuda_graph	0	False	3	CUDA graphs are not available
+--cuda-graph-warmup-steps	cuda_graph_warmup_steps	1	3	3	CUDA graphs are not available
+--external-cuda-graph	external_cuda_graph	0	False	3	CUDA graphs are not available
+--cuda-graph-impl	cuda_graph_impl	1	'none'	3	CUDA graphs are not available
+--inference-cuda-graph-scope	inference_cuda_graph_scope	1	None	3	CUDA graphs are not available
+--no-clone-scatter-output-in-embedding,--disable-clone-scatter-output-in-embedding	clone_scatter_output_in_embedding	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--config-logger-dir	config_logger_dir	1	''	2	profiling or diagnostics only
+--flash-decode	flash_decode	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--batch-invariant-mode	batch_invariant_mode	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--use-te-activation-func	use_te_activation_func	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--symmetric-ar-type	symmetric_ar_type	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--nccl-all-reduce-for-prefill	nccl_all_reduce_for_prefill	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--inference-fuse-tp-communication	inference_fuse_tp_communication	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--inference-disable-triton-nvls-kernels	inference_disable_triton_nvls_kernels	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--inference-grouped-gemm-backend	inference_grouped_gemm_backend	1	'vllm'	3	not available in megazero: drop it to train what Megatron trains by default
+--inference-moe-disable-fused-quant-kernels	inference_moe_disable_fused_quant_kernels	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--inference-moe-token-dispatcher-type	inference_moe_token_dispatcher_type	1	'nvls'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--mrope-section	mrope_section	+	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--is-hybrid-model	is_hybrid_model	0	False	3	hybrid/SSM/sparse attention models are not available
+--mamba-state-dim	mamba_state_dim	1	128	3	hybrid/SSM/sparse attention models are not available
+--mamba-head-dim	mamba_head_dim	1	64	3	hybrid/SSM/sparse attention models are not available
+--mamba-num-groups	mamba_num_groups	1	8	3	hybrid/SSM/sparse attention models are not available
+--mamba-num-heads	mamba_num_heads	1	None	3	hybrid/SSM/sparse attention models are not available
+--disable-mamba-mem-eff-path	use_mamba_mem_eff_path	0	True	3	hybrid/SSM/sparse attention models are not available
+--mlp-chunks-for-prefill	mlp_chunks_for_prefill	1	1	3	not available in megazero: drop it to train what Megatron trains by default
+--mlp-chunks-for-training	mlp_chunks_for_training	1	1	3	not available in megazero: drop it to train what Megatron trains by default
+--transformer-impl	transformer_impl	1	'transformer_engine'	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--fine-grained-activation-offloading	fine_grained_activation_offloading	0	False	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--offload-modules	offload_modules	+	[]	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--min-offloaded-tensor-size	min_offloaded_tensor_size	1	1048576	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--delay-offload-until-cuda-graph	delay_offload_until_cuda_graph	0	False	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--delta-offload-bytes-across-pp-ranks	delta_offload_bytes_across_pp_ranks	1	0	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--activation-offload-fraction	activation_offload_fraction	1	1.0	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--moe-paged-stash	moe_paged_stash	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-paged-stash-page-size	moe_paged_stash_page_size	1	64	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-paged-stash-buffer-size-factor-cuda	moe_paged_stash_buffer_size_factor_cuda	1	1.1	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-paged-stash-buffer-size-factor-cpu	moe_paged_stash_buffer_size_factor_cpu	1	0.0	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--fine-grained-offloading-max-inflight-offloads	fine_grained_offloading_max_inflight_offloads	1	None	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--encoder-num-layers	encoder_num_layers	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--decoder-num-layers	decoder_num_layers	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--group-query-attention	group_query_attention	0	False	1	as in Megatron-LM
+--window-size	window_size	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--window-attn-skip-freq	window_attn_skip_freq	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--max-position-embeddings	max_position_embeddings	1	None	1	as in Megatron-LM
+--position-embedding-type	position_embedding_type	1	'learned_absolute'	1	as in Megatron-LM
+--yarn-original-max-position-embeddings	yarn_original_max_position_embeddings	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--yarn-beta-fast	yarn_beta_fast	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--yarn-beta-slow	yarn_beta_slow	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--yarn-correction-range-round-to-int	yarn_correction_range_round_to_int	0	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--no-yarn-correction-range-round-to-int	yarn_correction_range_round_to_int	0	True	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--relative-attention-num-buckets	relative_attention_num_buckets	1	32	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--relative-attention-max-distance	relative_attention_max_distance	1	128	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--use-rotary-position-embeddings	use_rotary_position_embeddings	0	False	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--rotary-base	rotary_base	1	10000	1	as in Megatron-LM
+--rotary-percent	rotary_percent	1	1.0	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--rotary-seq-len-interpolation-factor	rotary_seq_len_interpolation_factor	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--use-rope-scaling	use_rope_scaling	0	False	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--rope-scaling-factor	rope_scaling_factor	1	8.0	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--no-rope-freq	no_rope_freq	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--no-position-embedding	add_position_embedding	0	True	1	with --position-embedding-type rope: nothing to add (error with learned_absolute)
+--make-vocab-size-divisible-by	make_vocab_size_divisible_by	1	128	1	as in Megatron-LM
+--openai-gelu	openai_gelu	0	False	1	as in Megatron-LM
+--squared-relu	squared_relu	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--swiglu	swiglu	0	False	1	as in Megatron-LM
+--quick-geglu	quick_geglu	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--onnx-safe	onnx_safe	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--bert-no-binary-head	bert_binary_head	0	True	3	not available in megazero: drop it to train what Megatron trains by default
+--untie-embeddings-and-output-weights	untie_embeddings_and_output_weights	0	False	1	as in Megatron-LM
+--weight-decay	weight_decay	1	0.01	1	as in Megatron-LM
+--apply-wd-to-qk-layernorm	apply_wd_to_qk_layernorm	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--clip-grad	clip_grad	1	1.0	1	as in Megatron-LM
+--adam-beta1	adam_beta1	1	0.9	1	as in Megatron-LM
+--adam-beta2	adam_beta2	1	0.999	1	as in Megatron-LM
+--adam-eps	adam_eps	1	1e-08	1	as in Megatron-LM
+--sgd-momentum	sgd_momentum	1	0.9	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-momentum	muon_momentum	1	0.9	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-no-split-qkv	muon_split_qkv	0	True	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-nesterov	muon_nesterov	0	False	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-scale-mode	muon_scale_mode	1	'spectral'	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-fp32-matmul-prec	muon_fp32_matmul_prec	1	'medium'	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-coefficient-type	muon_coefficient_type	1	'quintic'	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-num-ns-steps	muon_num_ns_steps	1	5	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-tp-mode	muon_tp_mode	1	'blockwise'	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-extra-scale-factor	muon_extra_scale_factor	1	1.0	3	only Adam/AdamW with fp32 master weights and moments is available
+--muon-scalar-optimizer	muon_scalar_optimizer	1	'adam'	3	only Adam/AdamW with fp32 master weights and moments is available
+--lion-beta1	lion_beta1	1	0.95	3	only Adam/AdamW with fp32 master weights and moments is available
+--lion-beta2	lion_beta2	1	0.98	3	only Adam/AdamW with fp32 master weights and moments is available
+--no-weight-decay-cond-type	no_weight_decay_cond_type	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--profile	profile	0	False	2	profiling or diagnostics only
+--profile-step-start	profile_step_start	1	10	2	profiling or diagnostics only
+--profile-step-end	profile_step_end	1	12	2	profiling or diagnostics only
+--use-pytorch-profiler	use_pytorch_profiler	0	False	2	profiling or diagnostics only
+--pytorch-profiler-collect-shapes	pytorch_profiler_collect_shapes	0	False	2	profiling or diagnostics only
+--pytorch-profiler-collect-callstack	pytorch_profiler_collect_callstack	0	False	2	profiling or diagnostics only
+--pytorch-profiler-collect-chakra	pytorch_profiler_collect_chakra	0	False	2	profiling or diagnostics only
+--profile-ranks	profile_ranks	+	[]	2	profiling or diagnostics only
+--record-memory-history	record_memory_history	0	False	2	profiling or diagnostics only
+--memory-snapshot-path	memory_snapshot_path	1	'snapshot.pickle'	2	profiling or diagnostics only
+--record-shapes	record_shapes	0	False	2	profiling or diagnostics only
+--nvtx-ranges	nvtx_ranges	0	False	2	profiling or diagnostics only
+--micro-batch-size	micro_batch_size	1	None	1	as in Megatron-LM
+--global-batch-size	global_batch_size	1	None	1	as in Megatron-LM
+--rampup-batch-size	rampup_batch_size	3	None	1	ignored, as Megatron-LM core_v0.19.0 ignores it (deprecated there): the batch size is --global-batch-size
+--step-batch-size-schedule	step_batch_size_schedule	1	None	1	global batch size by consumed tokens, as Megatron; honoured while the size is constant over the run (a change within the run is an error)
+--decrease-batch-size-if-needed	decrease_batch_size_if_needed	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--empty-unused-memory-level	empty_unused_memory_level	1	0	2	runtime mechanics or an option of a component not used here: same numbers
+--check-weight-hash-across-dp-replicas-interval	check_weight_hash_across_dp_replicas_interval	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--gpu-sniff-test-interval	gpu_sniff_test_interval	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--train-sync-interval	train_sync_interval	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--train-iters	train_iters	1	None	1	as in Megatron-LM
+--train-samples	train_samples	1	None	1	train until this many samples (iterations derived as Megatron)
+--exit-interval	exit_interval	1	None	1	as in Megatron-LM
+--exit-duration-in-mins	exit_duration_in_mins	1	None	1	save and exit once the run has lasted this long (checked every iteration, agreed by all ranks)
+--exit-signal-handler	exit_signal_handler	0	False	1	as in Megatron-LM
+--exit-signal	exit_signal	1	'SIGTERM'	1	the signal --exit-signal-handler traps (SIGTERM and SIGUSR1 are always trapped)
+--exit-signal-handler-for-dataloader	exit_signal_handler_for_dataloader	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--exit-signal-handler-for-training	exit_signal_handler_for_training	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--manual-gc	manual_gc	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--manual-gc-interval	manual_gc_interval	1	0	2	runtime mechanics or an option of a component not used here: same numbers
+--no-manual-gc-eval,--disable-manual-gc-eval	manual_gc_eval	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--iterations-to-skip	iterations_to_skip	+	[]	3	not available in megazero: drop it to train what Megatron trains by default
+--batch-size	batch_size	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--recompute-activations	recompute_activations	0	False	1	= --recompute-granularity selective
+--no-check-for-nan-in-loss-and-grad	check_for_nan_in_loss_and_grad	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--check-for-large-grads	check_for_large_grads	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--result-rejected-tracker-filename	result_rejected_tracker_filename	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--tp-comm-overlap-cfg	tp_comm_overlap_cfg	1	None	2	communication scheduling or placement: same numbers
+--checkpoint-activations	checkpoint_activations	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--no-masked-softmax-fusion	masked_softmax_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--no-bias-gelu-fusion	bias_gelu_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--no-bias-swiglu-fusion	bias_swiglu_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--no-bias-dropout-fusion	bias_dropout_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--no-rope-fusion	apply_rope_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--rope-type	rope_type	1	None	3	this position-embedding variant is not available: rope (full, non-interleaved) or learned_absolute
+--use-flash-attn	use_flash_attn	0	False	1	SDPA restricted to its flash backend (CUDA)
+--optimizer	optimizer	1	'adam'	3	only Adam/AdamW with fp32 master weights and moments is available
+--optimizer-cpu-offload	optimizer_cpu_offload	0	False	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--optimizer-cuda-graph	optimizer_cuda_graph	0	False	3	CUDA graphs are not available
+--optimizer-offload-fraction	optimizer_offload_fraction	1	1.0	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--use-torch-optimizer-for-cpu-offload	use_torch_optimizer_for_cpu_offload	0	False	3	offloading is not available: use a higher --zero-stage or more ranks (python -m megazero.planner)
+--overlap-cpu-optimizer-d2h-h2d	overlap_cpu_optimizer_d2h_h2d	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--dump-param-to-param-group-map	dump_param_to_param_group_map	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--no-pin-cpu-grads	pin_cpu_grads	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--no-pin-cpu-params	pin_cpu_params	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--dataloader-type	dataloader_type	1	None	2	data loading mechanics: same samples
+--no-persist-layer-norm	no_persist_layer_norm	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--no-gradient-accumulation-fusion	gradient_accumulation_fusion	0	True	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--use-mcore-models	deprecated_use_mcore_models	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--seed	seed	1	1234	1	as in Megatron-LM
+--te-rng-tracker	te_rng_tracker	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--inference-rng-tracker	inference_rng_tracker	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--data-parallel-random-init	data_parallel_random_init	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--init-method-xavier-uniform	init_method_xavier_uniform	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
+--lr-decay-style	lr_decay_style	1	'linear'	1	as in Megatron-LM
+--lr-wsd-decay-style	lr_wsd_decay_style	1	'exponential'	3	not available in megazero: drop it to train what Megatron trains by default
+--lr-decay-iters	lr_decay_iters	1	None	1	as in Megatron-LM
+--lr-decay-samples	lr_decay_samples	1	None	1	LR decay length in samples
+--lr-wsd-decay-iters	lr_wsd_decay_iters	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--lr-wsd-decay-samples	lr_wsd_decay_samples	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--lr-warmup-fraction	lr_warmup_fraction	1	None	1	warm-up = fraction x decay length
+--lr-warmup-iters	lr_warmup_iters	1	0	1	as in Megatron-LM
+--lr-warmup-samples	lr_warmup_samples	1	0	1	LR warm-up length in samples
+--lr-warmup-init	lr_warmup_init	1	0.0	1	LR at the start of warm-up
+--override-opt_param-scheduler,--override-opt-param-scheduler	override_opt_param_scheduler	0	False	1	schedule settings from the flags, not the checkpoint
+--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler	use_checkpoint_opt_param_scheduler	0	False	1	schedule settings from the checkpoint
+--start-weight-decay	start_weight_decay	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--end-weight-decay	end_weight_decay	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--weight-decay-incr-style	weight_decay_incr_style	1	'constant'	3	not available in megazero: drop it to train what Megatron trains by default
+--lr	lr	1	None	1	as in Megatron-LM
+--warmup	warmup	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
+--min-lr	min_lr	1	0.0	1	as in Megatron-LM
+--decoupled-lr	decoupled_lr	1	None	3	a separate LR for the embedding and output layer is not available (the ZeRO optimizer applies one LR schedule to every parameter): drop it, and Megatron's --lr applies to them too
+--decoupled-min-lr	decoupled_min_lr	1	None	3	a separate LR for the embedding and output layer is not available (the ZeRO optimizer applies one LR schedule to every parameter): drop it, and Megatron's --lr applies to them too
+--freeze-all-layers	freeze_all_layers	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--save	save	1	None	1	as in Megatron-LM
+--save-interval,--persistent-save-interval	save_interval	1	None	1	as in Megatron-LM
+--save-params-interval	save_params_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--save-activations-interval	save_activations_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--save-tokens-per-expert-interval	save_tokens_per_expert_interval	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--save-wgrads-interval	save_wgrads_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--save-dgrads-interval	save_dgrads_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--save-retain-interval	save_retain_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--load	load	1	None	1	as in Megatron-LM
+--load-main-params-from-ckpt	load_main_params_from_ckpt	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--non-persistent-save-interval	non_persistent_save_interval	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--non-persistent-ckpt-type	non_persistent_ckpt_type	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--non-persistent-global-ckpt-dir	non_persistent_global_ckpt_dir	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--non-persistent-local-ckpt-dir	non_persistent_local_ckpt_dir	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--non-persistent-local-ckpt-algo	non_persistent_local_ckpt_algo	1	'fully_parallel'	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--finetune	finetune	0	False	1	as in Megatron-LM
+--pretrained-checkpoint	pretrained_checkpoint	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--ckpt-step	ckpt_step	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--use-checkpoint-args	use_checkpoint_args	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--use-mp-args-from-checkpoint-args	use_mp_args_from_checkpoint_args	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--no-use-tokenizer-model-from-checkpoint-args,--disable-use-tokenizer-model-from-checkpoint-args	use_tokenizer_model_from_checkpoint_args	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--exit-on-missing-checkpoint	exit_on_missing_checkpoint	0	False	1	with --load and no checkpoint there: exit instead of starting from scratch
+--ckpt-format	ckpt_format	1	'torch_dist'	1	torch_dist (default) and torch: megazero's checkpoint format, resharded on load like torch_dist; other formats are an error
+--auto-detect-ckpt-format	auto_detect_ckpt_format	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-convert-format	ckpt_convert_format	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--ckpt-convert-save	ckpt_convert_save	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--ckpt-convert-update-legacy-dist-opt-format	ckpt_convert_update_legacy_dist_opt_format	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--no-ckpt-fully-parallel-save	ckpt_fully_parallel_save	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--async-save	async_save	0	False	1	as in Megatron-LM
+--async-strategy	async_strategy	1	'nvrx'	2	runtime mechanics or an option of a component not used here: same numbers
+--use-persistent-ckpt-worker	use_persistent_ckpt_worker	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--async-ckpt-cpu-priority	async_ckpt_cpu_priority	1	10	2	runtime mechanics or an option of a component not used here: same numbers
+--async-ckpt-io-priority	async_ckpt_io_priority	1	3	2	runtime mechanics or an option of a component not used here: same numbers
+--async-ckpt-use-cpu-shm	async_ckpt_use_cpu_shm	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-fully-parallel-load	ckpt_fully_parallel_load	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-fully-parallel-load-exchange-algo	ckpt_fully_parallel_load_exchange_algo	1	'broadcast'	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-fully-parallel-save-process-group	ckpt_fully_parallel_save_process_group	1	'dp'	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-fully-parallel-load-process-group	ckpt_fully_parallel_load_process_group	1	'dp'	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-assume-constant-structure	ckpt_assume_constant_structure	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--no-ckpt-load-validate-sharding-integrity,--disable-ckpt-load-validate-sharding-integrity	ckpt_load_validate_sharding_integrity	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--no-strict-fsdp-dtensor-load,--disable-strict-fsdp-dtensor-load	strict_fsdp_dtensor_load	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--dist-ckpt-strictness	dist_ckpt_strictness	1	'assume_ok_unexpected'	2	runtime mechanics or an option of a component not used here: same numbers
+--dist-ckpt-save-pre-mcore-014	dist_ckpt_save_pre_mcore_014	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--dist-ckpt-optim-fully-reshardable	dist_ckpt_optim_fully_reshardable	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--distrib-optim-fully-reshardable-mem-efficient	distrib_optim_fully_reshardable_mem_efficient	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--replication	replication	0	False	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--replication-jump	replication_jump	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--replication-factor	replication_factor	1	2	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--verify-integrity	verify_integrity	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--no-stream-ckpt-dequant,--disable-stream-ckpt-dequant	stream_ckpt_dequant	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--no-save-optim	no_save_optim	0	None	1	as in Megatron-LM
+--no-save-rng	no_save_rng	0	None	1	as in Megatron-LM
+--no-load-optim	no_load_optim	0	None	1	as in Megatron-LM
+--no-load-rng	no_load_rng	0	None	1	as in Megatron-LM
+--override-ckpt-iteration	override_ckpt_iteration	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--use-dist-ckpt	use_dist_ckpt_deprecated	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--dist-ckpt-format	dist_ckpt_format_deprecated	1	None	3	not available for megazero checkpoints (docs/checkpoints.md); use --save/--load, --finetune, tools/convert_checkpoint.py
+--dist-ckpt-workers	dist_ckpt_workers	1	1	2	runtime mechanics or an option of a component not used here: same numbers
+--ckpt-fully-parallel-save	ckpt_fully_parallel_save_deprecated	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--grad-reduce-in-bf16	grad_reduce_in_bf16	0	False	2	accepted: gradients are reduced in fp32 here (Megatron reduces bf16); same model, more precise
+--loss-scale	loss_scale	1	None	1	as in Megatron-LM
+--initial-loss-scale	initial_loss_scale	1	4294967296	1	as in Megatron-LM
+--min-loss-scale	min_loss_scale	1	1.0	1	as in Megatron-LM
+--loss-scale-window	loss_scale_window	1	1000	1	as in Megatron-LM
+--hysteresis	hysteresis	1	2	1	as in Megatron-LM
+--attention-softmax-in-fp32	attention_softmax_in_fp32	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--accumulate-allreduce-grads-in-fp32	accumulate_allreduce_grads_in_fp32	0	False	1	as in Megatron-LM
+--fp16-lm-cross-entropy	fp16_lm_cross_entropy	0	False	2	accepted: the cross entropy is computed in fp32 here; same model, more precise
+--reuse-grad-buf-for-mxfp8-param-ag	reuse_grad_buf_for_mxfp8_param_ag	0	False	3	fp8/fp4 training is not available: use --bf16
+--mamba-training-ssm-states-dtype	mamba_training_ssm_states_dtype	1	None	3	hybrid/SSM/sparse attention models are not available
+--distributed-backend	distributed_backend	1	'nccl'	1	as in Megatron-LM
+--distributed-timeout-minutes	distributed_timeout_minutes	1	10	1	as in Megatron-LM
+--no-align-grad-reduce,--disable-align-grad-reduce	align_grad_reduce	0	True	2	communication scheduling or placement: same numbers
+--local-rank	local_rank	1	0	2	communication scheduling or placement: same numbers
+--lazy-mpu-init	lazy_mpu_init	0	False	2	communication scheduling or placement: same numbers
+--use-megatron-fsdp	use_megatron_fsdp	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--use-torch-fsdp2	use_torch_fsdp2	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--nccl-communicator-config-path	nccl_communicator_config_path	1	None	2	communication scheduling or placement: same numbers
+--use-tp-pp-dp-mapping	use_tp_pp_dp_mapping	0	False	2	communication scheduling or placement: same numbers
+--disable-gloo-process-groups	use_gloo_process_groups	0	True	2	communication scheduling or placement: same numbers
+--use-sharp	use_sharp	0	False	2	communication scheduling or placement: same numbers
+--sharp-enabled-group	sharp_enabled_group	1	None	2	communication scheduling or placement: same numbers
+--high-priority-stream-groups	high_priority_stream_groups	+	[]	2	communication scheduling or placement: same numbers
+--distributed-timeout-seconds-after-init	distributed_timeout_seconds_after_init	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--flight-recorder-dump-path	flight_recorder_dump_path	1	None	2	profiling or diagnostics only
+--flight-recorder-trace-buffer-size	flight_recorder_trace_buffer_size	1	2000	2	profiling or diagnostics only
+--no-flight-recorder-dump-on-timeout,--disable-flight-recorder-dump-on-timeout	flight_recorder_dump_on_timeout	0	True	2	profiling or diagnostics only
+--flight-recorder-include-stack-trace	flight_recorder_include_stack_trace	0	False	2	profiling or diagnostics only
+--no-flight-recorder-include-only-active,--disable-flight-recorder-include-only-active	flight_recorder_include_only_active	0	True	2	profiling or diagnostics only
+--no-flight-recorder-extra-dump-on-exec,--disable-flight-recorder-extra-dump-on-exec	flight_recorder_extra_dump_on_exec	0	True	2	profiling or diagnostics only
+--disable-jit-fuser	disable_jit_fuser	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
+--decoder-first-pipeline-num-layers	decoder_first_pipeline_num_layers	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--decoder-last-pipeline-num-layers	decoder_last_pipeline_num_layers	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--pipeline-model-parallel-layout	pipeline_model_parallel_layout	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--model-parallel-size	model_parallel_size	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--num-layers-per-virtual-pipeline-stage	num_layers_per_virtual_pipeline_stage	1	None	1	as in Megatron-LM
+--num-virtual-stages-per-pipeline-rank	num_virtual_stages_per_pipeline_rank	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--no-overlap-p2p-communication	overlap_p2p_comm	0	True	2	communication scheduling or placement: same numbers
+--overlap-grad-reduce	overlap_grad_reduce	0	False	1	gradient reduce-scatter/all-reduce per bucket overlapped with backward (--zero-overlap-comm, on by default)
+--ddp-num-buckets	ddp_num_buckets	1	None	2	communication scheduling or placement: same numbers
+--ddp-bucket-size	ddp_bucket_size	1	None	2	communication scheduling or placement: same numbers
+--ddp-pad-buckets-for-high-nccl-busbw	ddp_pad_buckets_for_high_nccl_busbw	0	False	2	communication scheduling or placement: same numbers
+--ddp-reduce-scatter-with-fp32-accumulation	ddp_reduce_scatter_with_fp32_accumulation	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--ddp-param-name-patterns-for-fp32-local-accumulation	ddp_param_name_patterns_for_fp32_local_accumulation	+	[]	3	not available in megazero: drop it to train what Megatron trains by default
+--ddp-average-in-collective	ddp_average_in_collective	0	False	2	communication scheduling or placement: same numbers
+--overlap-param-gather	overlap_param_gather	0	False	2	accepted, same numbers: the ZeRO 1/2 parameter all-gather runs at the end of the step, not yet overlapped with the next forward
+--overlap-param-gather-with-optimizer-step	overlap_param_gather_with_optimizer_step	0	False	2	accepted, same numbers: the parameter all-gather is not overlapped
+--no-align-param-gather	align_param_gather	0	True	2	communication scheduling or placement: same numbers
+--use-distributed-optimizer	use_distributed_optimizer	0	False	1	ZeRO stage 1 (raises --zero-stage 0 to 1)
+--no-use-layer-wise-param-layout	use_layer_wise_param_layout	0	True	2	communication scheduling or placement: same numbers
+--use-nccl-ub	nccl_ub	0	False	2	communication scheduling or placement: same numbers
+--disable-symmetric-registration	disable_symmetric_registration	0	False	2	communication scheduling or placement: same numbers
+--fsdp-manual-registration	fsdp_manual_registration	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--create-all-gather-group	create_all_gather_group	0	False	2	communication scheduling or placement: same numbers
+--data-parallel-sharding-strategy	data_parallel_sharding_strategy	1	'optim_grads_params'	3	not available in megazero: drop it to train what Megatron trains by default
+--outer-dp-sharding-strategy	outer_dp_sharding_strategy	1	'no_shard'	3	not available in megazero: drop it to train what Megatron trains by default
+--no-gradient-reduce-div-fusion	gradient_reduce_div_fusion	0	True	2	communication scheduling or placement: same numbers
+--fsdp-double-buffer	fsdp_double_buffer	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--suggested-communication-unit-size	suggested_communication_unit_size	1	None	2	communication scheduling or placement: same numbers
+--keep-fp8-transpose-cache	keep_fp8_transpose_cache	0	False	3	fp8/fp4 training is not available: use --bf16
+--enable-full-sharding-in-hsdp	enable_full_sharding_in_hsdp	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--num-distributed-optimizer-instances	num_distributed_optimizer_instances	1	1	2	runtime mechanics or an option of a component not used here: same numbers
+--torch-fsdp2-no-reshard-after-forward	torch_fsdp2_reshard_after_forward	0	True	3	use --zero-stage 3 (megazero's sharded parameters)
+--cp-comm-type	cp_comm_type	+	['p2p']	3	context parallelism is not available: use --sequence-parallel with tensor parallelism
+--fake-process-group	fake_process_group	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--eval-iters	eval_iters	1	100	1	as in Megatron-LM
+--eval-interval	eval_interval	1	None	1	as in Megatron-LM
+--start-eval-at-iter	start_eval_at_iter	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--eval-global-batch-size	eval_global_batch_size	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--eval-micro-batch-size	eval_micro_batch_size	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--skip-train	skip_train	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--test-mode	test_mode	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--full-validation	full_validation	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--multiple-validation-sets	multiple_validation_sets	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--validation-set-names	validation_set_names	+	None	3	this data or evaluation mode is not available (docs/data.md)
+--data-path	data_path	*	None	1	as in Megatron-LM
+--phase-transition-iterations	phase_transition_iterations	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--split	split	1	None	1	as in Megatron-LM
+--train-data-path	train_data_path	*	None	1	training data prefixes (weights optional)
+--valid-data-path	valid_data_path	*	None	1	validation data prefixes
+--test-data-path	test_data_path	*	None	1	test data prefixes
+--data-args-path	data_args_path	1	None	1	file holding the --data-path list
+--per-split-data-args-path	per_split_data_args_path	1	None	3	not available: use --train-data-path/--valid-data-path/--test-data-path
+--per-dataset-sequences-path	per_dataset_sequences_path	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--dataloader-fast-cache-load	dataloader_fast_cache_load	0	False	2	data loading mechanics: same samples
+--dataloader-defer-npy-index-mmap	dataloader_defer_npy_index_mmap	0	False	2	data loading mechanics: same samples
+--data-cache-path	data_cache_path	1	None	1	as in Megatron-LM
+--no-mmap-bin-files	mmap_bin_files	0	True	2	data loading mechanics: same samples
+--mock-data	mock_data	0	False	1	as in Megatron-LM
+--seq-length	seq_length	1	None	1	as in Megatron-LM
+--encoder-seq-length	encoder_seq_length	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--decoder-seq-length	decoder_seq_length	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--sample-rate	sample_rate	1	1.0	3	this data or evaluation mode is not available (docs/data.md)
+--mask-prob	mask_prob	1	0.15	3	this data or evaluation mode is not available (docs/data.md)
+--short-seq-prob	short_seq_prob	1	0.1	3	this data or evaluation mode is not available (docs/data.md)
+--num-workers	num_workers	1	2	2	data loading mechanics: same samples
+--reset-position-ids	reset_position_ids	0	False	1	positions restart after each end-of-document
+--reset-attention-mask	reset_attention_mask	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--dataloader-inter-document-masking	dataloader_inter_document_masking	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--eod-mask-loss	eod_mask_loss	0	False	1	no loss on end-of-document tokens
+--no-create-attention-mask-in-dataloader	create_attention_mask_in_dataloader	0	True	2	data loading mechanics: same samples
+--num-dataset-builder-threads	num_dataset_builder_threads	1	1	2	data loading mechanics: same samples
+--object-storage-cache-path	object_storage_cache_path	1	None	2	data loading mechanics: same samples
+--mid-level-dataset-surplus	mid_level_dataset_surplus	1	0.005	2	runtime mechanics or an option of a component not used here: same numbers
+--allow-ambiguous-pad-tokens	allow_ambiguous_pad_tokens	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--fim-data	fim_data	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--fim-rate	fim_rate	1	0.5	3	this data or evaluation mode is not available (docs/data.md)
+--fim-spm-rate	fim_spm_rate	1	0.5	3	this data or evaluation mode is not available (docs/data.md)
+--fim-split-sample	fim_split_sample	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--fim-fragment-rate	fim_fragment_rate	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--fim-no-prefix	fim_no_prefix	1	None	3	this data or evaluation mode is not available (docs/data.md)
+--fim-prefix-token	fim_prefix_token	1	'<fim_prefix>'	3	this data or evaluation mode is not available (docs/data.md)
+--fim-middle-token	fim_middle_token	1	'<fim_middle>'	3	this data or evaluation mode is not available (docs/data.md)
+--fim-suffix-token	fim_suffix_token	1	'<fim_suffix>'	3	this data or evaluation mode is not available (docs/data.md)
+--fim-pad-token	fim_pad_token	1	'<fim_pad>'	3	this data or evaluation mode is not available (docs/data.md)
+--fim-eod-token	fim_eod_token	1	'<|endoftext|>'	3	this data or evaluation mode is not available (docs/data.md)
+--vocab-size	vocab_size	1	None	1	as in Megatron-LM
+--padded-vocab-size	padded_vocab_size	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--no-pad-vocab-size,--disable-pad-vocab-size	pad_vocab_size	0	True	3	not available in megazero: drop it to train what Megatron trains by default
+--vocab-file	vocab_file	1	None	1	as in Megatron-LM
+--merge-file	merge_file	1	None	1	as in Megatron-LM
+--vocab-extra-ids	vocab_extra_ids	1	0	3	not available in megazero: drop it to train what Megatron trains by default
+--tokenizer-type	tokenizer_type	1	None	1	as in Megatron-LM
+--tokenizer-model	tokenizer_model	1	None	1	as in Megatron-LM
+--tokenizer-metadata	metadata_path	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--tokenizer-special-tokens	special_tokens	+	None	3	not available in megazero: drop it to train what Megatron trains by default
+--tiktoken-pattern	tiktoken_pattern	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--tiktoken-num-special-tokens	tiktoken_num_special_tokens	1	1000	2	runtime mechanics or an option of a component not used here: same numbers
+--tokenizer-sentencepiece-legacy	tokenizer_sentencepiece_legacy	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--no-tokenizer-sentencepiece-ignore-extra-whitespaces,--disable-tokenizer-sentencepiece-ignore-extra-whitespaces	tokenizer_sentencepiece_ignore_extra_whitespaces	0	True	2	runtime mechanics or an option of a component not used here: same numbers
+--tokenizer-hf-no-use-fast	tokenizer_hf_no_use_fast	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--tokenizer-hf-no-include-special-tokens	tokenizer_hf_no_include_special_tokens	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--trust-remote-code	trust_remote_code	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--null-tokenizer-eod-id	null_tokenizer_eod_id	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--null-tokenizer-pad-id	null_tokenizer_pad_id	1	-1	3	not available in megazero: drop it to train what Megatron trains by default
+--chat-template	chat_template	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--adlr-autoresume	adlr_autoresume	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--adlr-autoresume-interval	adlr_autoresume_interval	1	1000	2	runtime mechanics or an option of a component not used here: same numbers
+--num-experts	num_experts	1	None	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-layer-freq	moe_layer_freq	1	1	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-use-upcycling	moe_use_upcycling	0	False	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-router-load-balancing-type	moe_router_load_balancing_type	+	'aux_loss'	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-aux-loss-coeff	moe_aux_loss_coeff	+	0.0	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--moe-upcycling-granularity	moe_upcycling_granularity	1	1	3	mixture-of-experts is not available: megazero trains dense GPTs; drop the MoE flags for a dense model (a different model)
+--q-lora-rank	q_lora_rank	1	None	3	multi-latent attention is not available
+--kv-lora-rank	kv_lora_rank	1	32	3	multi-latent attention is not available
+--qk-head-dim	qk_head_dim	1	128	3	multi-latent attention is not available
+--qk-pos-emb-head-dim	qk_pos_emb_head_dim	1	64	3	multi-latent attention is not available
+--v-head-dim	v_head_dim	1	128	3	multi-latent attention is not available
+--rotary-scaling-factor	rotary_scaling_factor	1	1.0	3	multi-latent attention is not available
+--mscale	mscale	1	1.0	3	multi-latent attention is not available
+--mscale-all-dim	mscale_all_dim	1	0.0	3	multi-latent attention is not available
+--cache-mla-latents	cache_mla_latents	0	False	3	multi-latent attention is not available
+--mla-down-proj-fusion	mla_down_proj_fusion	0	False	3	multi-latent attention is not available
+--linear-attention-freq	linear_attention_freq	1	None	3	hybrid/SSM/sparse attention models are not available
+--heterogeneous-layers-config-path	heterogeneous_layers_config_path	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--heterogeneous-layers-config-encoded-json	heterogeneous_layers_config_encoded_json	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--log-interval	log_interval	1	100	1	as in Megatron-LM
+--log-params-norm	log_params_norm	0	False	1	parameter L2 norm in the log line and TensorBoard
+--log-throughput	log_throughput	0	False	1	print throughput per GPU in the log line
+--log-progress	log_progress	0	False	2	profiling or diagnostics only
+--timing-log-level	timing_log_level	1	0	2	profiling or diagnostics only
+--timing-log-option	timing_log_option	1	'minmax'	2	profiling or diagnostics only
+--tensorboard-dir	tensorboard_dir	1	None	1	as in Megatron-LM
+--tensorboard-log-interval	tensorboard_log_interval	1	1	1	TensorBoard scalars every N iterations
+--tensorboard-queue-size	tensorboard_queue_size	1	1000	1	TensorBoard writer queue
+--log-timers-to-tensorboard	log_timers_to_tensorboard	0	False	1	iteration-time (and throughput) to TensorBoard
+--no-log-loss-scale-to-tensorboard,--disable-log-loss-scale-to-tensorboard	log_loss_scale_to_tensorboard	0	True	1	no loss-scale scalar
+--log-validation-ppl-to-tensorboard	log_validation_ppl_to_tensorboard	0	False	1	validation perplexity scalar
+--log-memory-to-tensorboard	log_memory_to_tensorboard	0	False	1	memory scalars
+--log-memory-interval	log_memory_interval	1	None	2	profiling or diagnostics only
+--log-device-memory-used	log_device_memory_used	0	False	2	profiling or diagnostics only
+--log-num-zeros-in-grad	log_num_zeros_in_grad	0	False	2	accepted: the zero count of the gradient is not computed (no 'num zeros' field)
+--log-max-attention-logit	log_max_attention_logit	0	False	2	accepted: not computed (no 'max_attention_logit' scalar)
+--no-barrier-with-level-1-timing	barrier_with_L1_time	0	True	2	profiling or diagnostics only
+--log-world-size-to-tensorboard	log_world_size_to_tensorboard	0	False	1	world-size scalar
+--wandb-project	wandb_project	1	None	1	Weights & Biases project (needs the wandb package; without it a start-up line says nothing is sent)
+--wandb-exp-name	wandb_exp_name	1	None	1	Weights & Biases run name
+--wandb-save-dir	wandb_save_dir	1	None	1	Weights & Biases directory
+--wandb-entity	wandb_entity	1	None	1	Weights & Biases entity
+--logging-level	logging_level	1	None	2	profiling or diagnostics only
+--log-energy	log_energy	0	False	2	profiling or diagnostics only
+--moe-routing-trace-path	moe_routing_trace_path	1	None	2	profiling or diagnostics only
+--moe-routing-trace-max-training-iters	moe_routing_trace_max_training_iters	1	None	2	profiling or diagnostics only
+--moe-routing-trace-capture-logits	moe_routing_trace_capture_logits	0	False	2	profiling or diagnostics only
+--moe-routing-trace-capture-hidden-states	moe_routing_trace_capture_hidden_states	0	False	2	profiling or diagnostics only
+--moe-routing-trace-dump-weights	moe_routing_trace_dump_weights	0	False	2	profiling or diagnostics only
+--log-straggler	log_straggler	0	False	2	profiling or diagnostics only
+--straggler-ctrlr-port	straggler_ctrlr_port	1	65535	2	profiling or diagnostics only
+--straggler-minmax-count	straggler_minmax_count	1	1	2	profiling or diagnostics only
+--disable-straggler-on-startup	disable_straggler_on_startup	0	False	2	profiling or diagnostics only
+--run-workload-inspector-server	run_workload_inspector_server	0	False	2	profiling or diagnostics only
+--fp4-param-gather	fp4_param_gather	0	False	3	fp8/fp4 training is not available: use --bf16
+--fp8-param-gather	fp8_param_gather	0	False	3	fp8/fp4 training is not available: use --bf16
+--te-precision-config-file	te_precision_config_file	1	None	3	fp8/fp4 training is not available: use --bf16
+--enable-experimental	enable_experimental	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--spec	spec	*	None	3	not available in megazero: drop it to train what Megatron trains by default
+--hybrid-layer-pattern	hybrid_layer_pattern	1	None	3	hybrid/SSM/sparse attention models are not available
+--hybrid-override-pattern	hybrid_override_pattern	1	None	3	hybrid/SSM/sparse attention models are not available
+--yaml-cfg	yaml_cfg	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--use-precision-aware-optimizer	use_precision_aware_optimizer	0	False	3	only Adam/AdamW with fp32 master weights and moments is available
+--main-grads-dtype	main_grads_dtype	1	'fp32'	3	only Adam/AdamW with fp32 master weights and moments is available
+--main-params-dtype	main_params_dtype	1	'fp32'	3	only Adam/AdamW with fp32 master weights and moments is available
+--exp-avg-dtype	exp_avg_dtype	1	'fp32'	3	only Adam/AdamW with fp32 master weights and moments is available
+--exp-avg-sq-dtype	exp_avg_sq_dtype	1	'fp32'	3	only Adam/AdamW with fp32 master weights and moments is available
+--megatron-fsdp-main-params-dtype	megatron_fsdp_main_params_dtype	1	'fp32'	3	use --zero-stage 3 (megazero's sharded parameters)
+--megatron-fsdp-main-grads-dtype	megatron_fsdp_main_grads_dtype	1	'auto'	3	use --zero-stage 3 (megazero's sharded parameters)
+--megatron-fsdp-grad-comm-dtype	megatron_fsdp_grad_comm_dtype	1	'auto'	3	use --zero-stage 3 (megazero's sharded parameters)
+--megatron-fsdp-enable-fine-grained-param-gather	megatron_fsdp_enable_fine_grained_param_gather	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--megatron-fsdp-max-pool-double-buffer	megatron_fsdp_max_pool_double_buffer	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--fsdp-db-use-persist-buf-on-alloc-fail	fsdp_db_use_persist_buf_on_alloc_fail	0	False	3	use --zero-stage 3 (megazero's sharded parameters)
+--no-one-logger	enable_one_logger	0	True	2	profiling or diagnostics only
+--one-logger-project	one_logger_project	1	'megatron-lm'	2	profiling or diagnostics only
+--one-logger-run-name	one_logger_run_name	1	None	2	profiling or diagnostics only
+--one-logger-async	one_logger_async	0	False	2	profiling or diagnostics only
+--app-tag-run-name	app_tag_run_name	1	None	2	profiling or diagnostics only
+--app-tag-run-version	app_tag_run_version	1	'0.0.0'	2	profiling or diagnostics only
+--inprocess-restart	inprocess_restart	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--inprocess-max-iterations	inprocess_max_iterations	1	None	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-monitor-thread-interval	inprocess_monitor_thread_interval	1	1.0	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-monitor-process-interval	inprocess_monitor_process_interval	1	1.0	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-progress-watchdog-interval	inprocess_progress_watchdog_interval	1	1.0	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-heartbeat-interval	inprocess_heartbeat_interval	1	30	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-soft-timeout	inprocess_soft_timeout	1	60	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-hard-timeout	inprocess_hard_timeout	1	90	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-heartbeat-timeout	inprocess_heartbeat_timeout	1	60	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-barrier-timeout	inprocess_barrier_timeout	1	120	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-completion-timeout	inprocess_completion_timeout	1	120	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-last-call-wait	inprocess_last_call_wait	1	1	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-termination-grace-time	inprocess_termination_grace_time	1	1	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-granularity	inprocess_granularity	1	'node'	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-active-world-size	inprocess_active_world_size	1	1	2	runtime mechanics or an option of a component not used here: same numbers
+--inprocess-empty-cuda-cache	inprocess_empty_cuda_cache	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--enable-ft-package	enable_ft_package	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--calc-ft-timeouts	calc_ft_timeouts	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--ft-num-warmup-iters	ft_num_warmup_iters	1	5	2	runtime mechanics or an option of a component not used here: same numbers
+--error-injection-rate	error_injection_rate	1	0	3	not available in megazero: drop it to train what Megatron trains by default
+--error-injection-type	error_injection_type	1	'transient_error'	3	not available in megazero: drop it to train what Megatron trains by default
+--rerun-mode	rerun_mode	1	'validate_results'	2	runtime mechanics or an option of a component not used here: same numbers
+--check-for-spiky-loss	check_for_spiky_loss	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--enable-msc	enable_msc	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--disable-msc	disable_msc_deprecated	0	False	2	runtime mechanics or an option of a component not used here: same numbers
+--sft	sft	0	False	3	this data or evaluation mode is not available (docs/data.md)
+--sft-tokenizer-prompt-format	sft_tokenizer_prompt_format	1	'nemotron-h-aligned'	3	this data or evaluation mode is not available (docs/data.md)
+--fault-injector-ranks	fault_injector_ranks	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-num-ranks	fault_injector_num_ranks	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-fault-types	fault_injector_fault_types	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-fault-probabilities	fault_injector_fault_probabilities	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-fault-delay	fault_injector_fault_delay	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-delay-start-iteration	fault_injector_delay_start_iteration	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-mtti-seconds	fault_injector_mtti_seconds	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-offset-seconds	fault_injector_offset_seconds	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+--fault-injector-seed	fault_injector_seed	1	None	3	not available in megazero: drop it to train what Megatron trains by default
+"""

@@ -1,0 +1,162 @@
+"""Megatron-LM's flags that megazero does not implement: accepted (class 2) or refused (class 3).
+
+Every flag of Megatron-LM's GPT training path is in :data:`megazero.megatron_flag_table.TABLE`
+with one of three classes (docs/megatron.md lists them):
+
+1. *honoured*: registered by :mod:`megazero.arguments` with Megatron's meaning;
+2. *no effect here, harmless* (kernel and fusion toggles, profiling, data-loader mechanics):
+   parsed and dropped; :func:`take_compat_flags` returns them for one rank-0 start-up line;
+3. *changes training, not available* (fp8, context parallelism, MoE, ...): an error before any
+   process group, naming every such flag with what to do instead -- but only when its value
+   differs from Megatron's default (``--context-parallel-size 1`` is what megazero trains).
+
+Class 2 and 3 flags are registered with ``default=SUPPRESS`` under the dest ``megatron:<dest>``,
+so only the flags a command line gives reach the namespace; :func:`take_compat_flags` removes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from dataclasses import dataclass
+
+from megazero.megatron_flag_table import TABLE
+
+PREFIX = "megatron:"
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    options: tuple[str, ...]
+    dest: str
+    arity: str      # "0" switch, "1" value, "+"/"*" list, "N" N values
+    default: object  # Megatron's default (a Python value)
+    cls: int
+    note: str
+
+    @property
+    def name(self) -> str:
+        return self.options[0]
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def megatron_flags() -> list[MegatronFlag]:
+    """The table's rows, in Megatron's group order."""
+    rows = []
+    for line in TABLE.splitlines():
+        options, dest, arity, default, cls, note = line.split("\t")
+        rows.append(MegatronFlag(tuple(options.split(",")), dest, arity, _literal(default), int(cls), note))
+    return rows
+
+
+def add_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """Register the class 2 and 3 flags that ``parser`` does not already have."""
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    groups = {2: parser.add_argument_group("Megatron-LM flags with no effect here (accepted; named at start-up)"),
+              3: parser.add_argument_group("Megatron-LM flags not available here (an error unless Megatron's "
+                                           "default; docs/megatron.md says what to use instead)")}
+    for flag in megatron_flags():
+        options = [o for o in flag.options if o not in known]
+        if flag.cls == 1 or not options:
+            continue
+        kwargs = dict(dest=PREFIX + flag.dest, default=argparse.SUPPRESS, help=flag.note)
+        if flag.arity == "0":
+            kwargs.update(action="store_true")
+        elif flag.arity != "1":
+            kwargs.update(nargs=int(flag.arity) if flag.arity.isdigit() else flag.arity)
+        groups[flag.cls].add_argument(*options, **kwargs)
+
+
+def _unquote(value: str) -> str:
+    return value.strip().strip("'\"") if isinstance(value, str) else value
+
+
+def is_default(flag: MegatronFlag, value) -> bool:
+    """Whether a given value equals Megatron's default (then even a class 3 flag changes nothing)."""
+    default = flag.default
+    if flag.arity == "0":
+        return value is False  # a switch given on the command line is never Megatron's default
+    if isinstance(value, list):
+        value = [_unquote(v) for v in value]
+        return isinstance(default, (list, tuple)) and [str(d) for d in default] == value
+    value = _unquote(value)
+    if default is None:
+        return value.lower() == "none"
+    if isinstance(default, bool):
+        return value.lower() == str(default).lower()
+    if isinstance(default, (int, float)):
+        try:
+            return float(value) == float(default)
+        except ValueError:
+            return False
+    return value == str(default)
+
+
+def take_compat_flags(args) -> tuple[list[str], list[tuple[MegatronFlag, object]]]:
+    """Remove the class 2/3 flags from ``args``: (class-2 flag names given, [(class-3 flag, value)]
+    for those set to something other than Megatron's default)."""
+    by_dest = {PREFIX + f.dest: f for f in megatron_flags() if f.cls != 1}
+    harmless, unavailable = [], []
+    for dest in [d for d in vars(args) if d.startswith(PREFIX)]:
+        value = vars(args).pop(dest)
+        flag = by_dest[dest]
+        if flag.cls == 2:
+            harmless.append(flag.name)
+        elif not is_default(flag, value):
+            unavailable.append((flag, value))
+    return harmless, unavailable
+
+
+def unavailable_message(unavailable: list[tuple[MegatronFlag, object]]) -> str:
+    """One line naming every refused flag, grouped by what to do instead."""
+    by_note: dict[str, list[str]] = {}
+    for flag, value in unavailable:
+        shown = flag.name if flag.arity == "0" else (
+            f"{flag.name} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+        by_note.setdefault(flag.note, []).append(shown)
+    parts = [f"{', '.join(names)} ({note})" for note, names in by_note.items()]
+    return "Megatron-LM flags that change training and are not available in megazero: " + "; ".join(parts)
+
+
+def harmless_line(names: list[str]) -> str:
+    return ("> Megatron-LM flags with no effect here (same numbers; docs/megatron.md): "
+            + ", ".join(sorted(set(names))))
+
+
+def apply_megatron_flags(args, fail) -> None:
+    """Megatron's flags that name something megazero has under another name, and the class 2/3
+    flags: one rank-0 line for the harmless ones, one error naming every unavailable one."""
+    harmless, unavailable = take_compat_flags(args)
+    if unavailable:
+        fail(unavailable_message(unavailable))
+    args.megatron_no_effect = tuple(sorted(set(harmless)))
+    if harmless and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(harmless_line(harmless), flush=True)
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        args.zero_stage = 1
+    if args.overlap_grad_reduce:
+        args.zero_overlap_comm = True
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
+    if args.data_args_path:
+        with open(args.data_args_path) as f:
+            args.data_path = f.read().split()
+    if isinstance(args.split, str):
+        args.split = args.split.strip().strip("'\"")  # a launch script's "--split '99,1,0'" keeps the quotes
+
+
+def markdown_table(honoured_notes: dict[str, str] | None = None) -> str:
+    """The docs/megatron.md table: flag, class, what it does here."""
+    names = {1: "honoured", 2: "no effect here", 3: "not available (error)"}
+    lines = ["| flag | class | here |", "|---|---|---|"]
+    for flag in megatron_flags():
+        note = (honoured_notes or {}).get(flag.name, flag.note)
+        lines.append(f"| `{' / '.join(flag.options)}` | {names[flag.cls]} | {note.replace('|', '/')} |")
+    return "\n".join(lines)
