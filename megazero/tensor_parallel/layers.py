@@ -91,9 +91,9 @@ def _full_weight(shape, init_method: InitMethod | None, real_rows: int | None) -
     """Full fp32 weight: ``init_method`` on the real rows, zero padding rows after them."""
     rows = shape[0] if real_rows is None else real_rows
     full = torch.zeros(shape, dtype=torch.float32)
-    real = torch.empty((rows,) + tuple(shape[1:]), dtype=torch.float32)
-    (init_method or seeded_normal(0.02, 0, "unnamed"))(real)
-    full[:rows] = real
+    # drawn in place: the first `rows` rows are contiguous, so the generator fills them exactly as
+    # a fresh [rows, ...] tensor (no second fp32 copy of the largest weight)
+    (init_method or seeded_normal(0.02, 0, "unnamed"))(full[:rows])
     return full
 
 
