@@ -98,7 +98,7 @@ class Region:
                 view.copy_(p.detach())
             p.data = view  # (keeps the parameter's own version counter: gathers into the buffer are not edits)
         shard = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
-        self.master = shard.float().clone()
+        self.master = shard.to(torch.float32, copy=True)  # one fp32 allocation (float().clone() made two)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.param_shard = None
