@@ -22,7 +22,6 @@ micro-batches). ``--rampup-batch-size`` is ignored with a warning, as Megatron c
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 
@@ -245,9 +244,6 @@ def _validate_features(err, args) -> None:
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         err("--no-position-embedding with --position-embedding-type learned_absolute (a GPT without positions) "
             "is not available; use --position-embedding-type rope")
-    if args.calculate_per_token_loss and args.eod_mask_loss:
-        err("--calculate-per-token-loss with --eod-mask-loss is not available: micro-batches then hold different "
-            "numbers of loss tokens and megazero averages per micro-batch; drop one of them")
 
 
 def validate(parser, args, training: bool = False) -> None:
@@ -256,7 +252,7 @@ def validate(parser, args, training: bool = False) -> None:
     err = lambda msg: parser.exit(2, f"{parser.prog}: error: {msg}\n")  # noqa: E731
     checks = [_validate_grid, _validate_model, _validate_batch_schedule, _validate_layout, _validate_run,
               _validate_schedule, _validate_features]
-    for check in ([_validate_required] if training else []) + checks:
+    for check in checks + ([_validate_required] if training else []):
         check(err, args)
     if args.rampup_batch_size is not None:
         warnings.warn("--rampup-batch-size is ignored, as in Megatron-LM core_v0.19.0 (deprecated there); "

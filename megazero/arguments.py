@@ -162,7 +162,6 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true", help="throughput per GPU in the log line")
-    g.add_argument("--log-params-norm", action="store_true", help="parameter L2 norm in the log line")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
@@ -172,8 +171,6 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
-    for name in ("project", "exp-name", "save-dir", "entity"):
-        g.add_argument(f"--wandb-{name}", default=None, help="Weights & Biases (needs the wandb package)")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -242,12 +239,7 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="random tokens instead of --data-path")
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--train-data-path", nargs="*", default=None)
-    g.add_argument("--valid-data-path", nargs="*", default=None)
-    g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
-    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
-    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after end-of-document")
     g.add_argument("--tokenizer-type", default=None, help="one of " + ", ".join(TOKENIZERS))
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)

@@ -87,7 +87,7 @@ TABLE = """\
 --qk-clip-alpha	qk_clip_alpha	1	0.5	3	this model variant is not available in megazero's GPT (docs/model.md)
 --qk-clip-threshold	qk_clip_threshold	1	100	3	this model variant is not available in megazero's GPT (docs/model.md)
 --attention-output-gate	attention_output_gate	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
---calculate-per-token-loss	calculate_per_token_loss	0	False	1	per-token mean over the global batch; honoured where it equals the mean of micro-batch means (no --eod-mask-loss), else an error
+--calculate-per-token-loss	calculate_per_token_loss	0	False	1	per-token mean over the global batch: equal to the mean of micro-batch means here, since every micro-batch holds the same number of loss tokens (no --eod-mask-loss)
 --multi-latent-attention	multi_latent_attention	0	False	3	multi-latent attention is not available
 --experimental-attention-variant	experimental_attention_variant	1	None	3	hybrid/SSM/sparse attention models are not available
 --dsa-indexer-n-heads	dsa_indexer_n_heads	1	None	3	hybrid/SSM/sparse attention models are not available
@@ -510,9 +510,9 @@ TABLE = """\
 --data-path	data_path	*	None	1	as in Megatron-LM
 --phase-transition-iterations	phase_transition_iterations	1	None	3	this data or evaluation mode is not available (docs/data.md)
 --split	split	1	None	1	as in Megatron-LM
---train-data-path	train_data_path	*	None	1	training data prefixes (weights optional)
---valid-data-path	valid_data_path	*	None	1	validation data prefixes
---test-data-path	test_data_path	*	None	1	test data prefixes
+--train-data-path	train_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
+--valid-data-path	valid_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
+--test-data-path	test_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
 --data-args-path	data_args_path	1	None	1	file holding the --data-path list
 --per-split-data-args-path	per_split_data_args_path	1	None	3	not available: use --train-data-path/--valid-data-path/--test-data-path
 --per-dataset-sequences-path	per_dataset_sequences_path	1	None	3	this data or evaluation mode is not available (docs/data.md)
@@ -528,10 +528,10 @@ TABLE = """\
 --mask-prob	mask_prob	1	0.15	3	this data or evaluation mode is not available (docs/data.md)
 --short-seq-prob	short_seq_prob	1	0.1	3	this data or evaluation mode is not available (docs/data.md)
 --num-workers	num_workers	1	2	2	data loading mechanics: same samples
---reset-position-ids	reset_position_ids	0	False	1	positions restart after each end-of-document
+--reset-position-ids	reset_position_ids	0	False	3	not available yet: positions run over the whole sequence (drop it)
 --reset-attention-mask	reset_attention_mask	0	False	3	not available in megazero: drop it to train what Megatron trains by default
 --dataloader-inter-document-masking	dataloader_inter_document_masking	0	False	3	this data or evaluation mode is not available (docs/data.md)
---eod-mask-loss	eod_mask_loss	0	False	1	no loss on end-of-document tokens
+--eod-mask-loss	eod_mask_loss	0	False	3	not available yet: the loss covers every token (drop it)
 --no-create-attention-mask-in-dataloader	create_attention_mask_in_dataloader	0	True	2	data loading mechanics: same samples
 --num-dataset-builder-threads	num_dataset_builder_threads	1	1	2	data loading mechanics: same samples
 --object-storage-cache-path	object_storage_cache_path	1	None	2	data loading mechanics: same samples
@@ -590,7 +590,7 @@ TABLE = """\
 --heterogeneous-layers-config-path	heterogeneous_layers_config_path	1	None	3	not available in megazero: drop it to train what Megatron trains by default
 --heterogeneous-layers-config-encoded-json	heterogeneous_layers_config_encoded_json	1	None	3	not available in megazero: drop it to train what Megatron trains by default
 --log-interval	log_interval	1	100	1	as in Megatron-LM
---log-params-norm	log_params_norm	0	False	1	parameter L2 norm in the log line and TensorBoard
+--log-params-norm	log_params_norm	0	False	2	accepted: the parameter norm is not computed (no 'params norm' field)
 --log-throughput	log_throughput	0	False	1	print throughput per GPU in the log line
 --log-progress	log_progress	0	False	2	profiling or diagnostics only
 --timing-log-level	timing_log_level	1	0	2	profiling or diagnostics only
@@ -608,10 +608,10 @@ TABLE = """\
 --log-max-attention-logit	log_max_attention_logit	0	False	2	accepted: not computed (no 'max_attention_logit' scalar)
 --no-barrier-with-level-1-timing	barrier_with_L1_time	0	True	2	profiling or diagnostics only
 --log-world-size-to-tensorboard	log_world_size_to_tensorboard	0	False	1	world-size scalar
---wandb-project	wandb_project	1	None	1	Weights & Biases project (needs the wandb package; without it a start-up line says nothing is sent)
---wandb-exp-name	wandb_exp_name	1	None	1	Weights & Biases run name
---wandb-save-dir	wandb_save_dir	1	None	1	Weights & Biases directory
---wandb-entity	wandb_entity	1	None	1	Weights & Biases entity
+--wandb-project	wandb_project	1	None	2	accepted: nothing is sent to Weights & Biases yet (TensorBoard holds the scalars)
+--wandb-exp-name	wandb_exp_name	1	None	2	accepted: nothing is sent to Weights & Biases yet
+--wandb-save-dir	wandb_save_dir	1	None	2	accepted: nothing is sent to Weights & Biases yet
+--wandb-entity	wandb_entity	1	None	2	accepted: nothing is sent to Weights & Biases yet
 --logging-level	logging_level	1	None	2	profiling or diagnostics only
 --log-energy	log_energy	0	False	2	profiling or diagnostics only
 --moe-routing-trace-path	moe_routing_trace_path	1	None	2	profiling or diagnostics only

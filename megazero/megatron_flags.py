@@ -85,7 +85,8 @@ def is_default(flag: MegatronFlag, value) -> bool:
         return value is False  # a switch given on the command line is never Megatron's default
     if isinstance(value, list):
         value = [_unquote(v) for v in value]
-        return isinstance(default, (list, tuple)) and [str(d) for d in default] == value
+        defaults = list(default) if isinstance(default, (list, tuple)) else [default]
+        return [str(d) for d in defaults] == value
     value = _unquote(value)
     if default is None:
         return value.lower() == "none"

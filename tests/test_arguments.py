@@ -118,3 +118,32 @@ def test_help_lists_groups_and_validation_exits_cleanly():
                          env={"WORLD_SIZE": "8", "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("pretrain_gpt.py: error: world size 8")
+
+
+@pytest.mark.parametrize("drop, message", [
+    (["--train-iters", "3"], "one of --train-iters or --train-samples is required"),
+    (["--lr", "0.1"], "--lr is required"),
+    (["--seq-length", "32"], "--seq-length is required"),
+])
+def test_training_run_without_a_required_value_is_an_argparse_error(drop, message):
+    """pretrain_gpt.py (training=True): a missing value is one 'prog: error:' line, never a TypeError."""
+    argv = BASE + ["--train-iters", "3", "--lr", "0.1"]
+    i = argv.index(drop[0])
+    argv = argv[:i] + argv[i + len(drop):]
+    out = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, env={"WORLD_SIZE": "1", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"pretrain_gpt.py: error: {message}")
+
+
+def test_megatron_flag_classes():
+    """Class 2: accepted and dropped from the namespace; class 3 at Megatron's default: accepted;
+    class 3 otherwise: one error naming it; both iteration and sample lengths: an error."""
+    args = parse_args(BASE + ["--use-mcore-models", "--num-workers", "4", "--context-parallel-size", "1",
+                              "--use-distributed-optimizer", "--split", "'99,1,0'"], world_size=8)
+    assert args.megatron_no_effect == ("--num-workers", "--use-mcore-models") and args.zero_stage == 1
+    assert args.split == "99,1,0" and not any(k.startswith("megatron:") for k in vars(args))
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--context-parallel-size", "2", "--fp8-format", "hybrid"], world_size=8)
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--train-iters", "3", "--train-samples", "48"], world_size=8)

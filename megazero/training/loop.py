@@ -13,10 +13,8 @@ import math
 import os
 import signal
 import sys
-import contextlib
 import time
 import traceback
-from datetime import datetime
 
 import torch
 import torch.distributed as dist
@@ -27,7 +25,8 @@ from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
 from megazero.training.data import micro_batch_iterator
-from megazero.training.logger import IntervalStats, iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.log_step import TrainerLogging, attention_backend
+from megazero.training.logger import IntervalStats, model_flops_per_iteration
 from megazero.training.lr_schedule import LRScheduler
 from megazero.training.signals import ExitSignal
 
@@ -37,7 +36,7 @@ def _print_rank(rank: int, target: int, text: str) -> None:
         print(text, flush=True)
 
 
-class Trainer:
+class Trainer(TrainerLogging):
     """Owns everything one rank needs to train; built by :func:`pretrain`."""
 
     def __init__(self, args, topo: Topology, device: torch.device, *, model_config, stages, optimizer, runner,
@@ -227,14 +226,6 @@ class Trainer:
             if grad_norm is not None and not math.isfinite(grad_norm):
                 self.nans += 1
 
-    def _log_validation(self, val: float | None) -> None:
-        if self.rank == self.last_rank and val is not None:
-            print(validation_line(self.iteration, val), flush=True)
-            scalars = {"lm loss validation": val}
-            if self.args.log_validation_ppl_to_tensorboard:
-                scalars["lm loss validation ppl"] = math.exp(min(20.0, val))
-            self.tb.scalars(scalars, self.iteration, self.consumed_samples)
-
     def _save_or_exit(self, exit_signal: ExitSignal | None) -> bool:
         """Save when due (``--save-interval``, a signal, ``--exit-interval``,
         ``--exit-duration-in-mins``); True to stop now. With a signal handler or a duration, one
@@ -261,78 +252,6 @@ class Trainer:
         elif exiting:
             _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
         return exiting
-
-    def _log(self, seconds_per_iter: float, grad_norm) -> None:
-        """Megatron's line on the last rank; the interval's loss sum is averaged over the DP group
-        (the last stage's ranks join that one all-reduce)."""
-        args, stats = self.args, self.stats
-        loss_sum = None if stats.loss_sum is None else self._dp_mean([stats.loss_sum])
-        if self.rank == self.last_rank:
-            losses = stats.losses(loss_sum)
-            self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
-            tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
-            print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
-                                 consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
-                                 tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
-                                 global_batch_size=args.global_batch_size, losses=losses,
-                                 loss_scale=float(self.optimizer.loss_scale), grad_norm=grad_norm,
-                                 skipped=stats.skipped, nans=stats.nans,
-                                 timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
-            if args.log_timers_to_tensorboard:
-                self.tb.scalars({"iteration-time": seconds_per_iter,
-                                 "throughput": tflops if args.log_throughput else None},
-                                self.iteration, self.consumed_samples)
-        stats.reset()
-
-    def _tensorboard_step(self, loss, grad_norm) -> None:
-        """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
-        the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
-        ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
-        communication counters. Collective on the last stage (the loss's DP mean)."""
-        args = self.args
-        if not args.tensorboard_dir or self.iteration % args.tensorboard_log_interval:
-            return
-        lm = self._dp_mean([loss]) if loss is not None else None
-        if self.rank != self.last_rank:
-            return
-        scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
-                   "grad-norm": grad_norm}
-        if args.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = float(self.optimizer.loss_scale)
-        if args.log_world_size_to_tensorboard:
-            scalars["world-size"] = args.world_size
-        if args.log_memory_to_tensorboard:
-            scalars.update(memory_scalars(self.device))
-        scalars.update(self.optimizer.comm_scalars())
-        self.tb.scalars(scalars, self.iteration, self.consumed_samples)
-
-
-@contextlib.contextmanager
-def attention_backend(name: str, device: torch.device):
-    """``--attention-backend`` / ``--use-flash-attn`` as SDPA backends on CUDA: flash -> FLASH_ATTENTION,
-    fused -> EFFICIENT_ATTENTION, unfused/local -> MATH; auto leaves SDPA's own choice (on CPU SDPA
-    computes the same function whatever the name)."""
-    if name == "auto" or device.type != "cuda":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.EFFICIENT_ATTENTION,
-               "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}[name]
-    with sdpa_kernel([backend]):
-        yield
-
-
-def memory_scalars(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {"mem-allocated-bytes": torch.cuda.memory_allocated(device),
-                "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device),
-                "mem-reserved-bytes": torch.cuda.memory_reserved(device)}
-    try:
-        import resource
-        return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    except ImportError:
-        return {}
-
 
 def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.

@@ -1,0 +1,97 @@
+"""The training loop's logging: Megatron's log line, TensorBoard scalars, validation lines
+(a mixin of :class:`megazero.training.loop.Trainer`; the line's fields: docs/megatron.md), and the
+``--attention-backend`` choice as SDPA backends."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from datetime import datetime
+
+import torch
+
+from megazero.training.logger import iteration_line, validation_line
+
+
+class TrainerLogging:
+    """Logging methods of the Trainer (they read its ``args``, ``stats``, ``scheduler``,
+    ``optimizer``, ``tb``, ``rank``/``last_rank`` and ``_dp_mean``)."""
+
+    def _log(self, seconds_per_iter: float, grad_norm) -> None:
+        """Megatron's line on the last rank; the interval's loss sum is averaged over the DP group
+        (the last stage's ranks join that one all-reduce)."""
+        args, stats = self.args, self.stats
+        loss_sum = None if stats.loss_sum is None else self._dp_mean([stats.loss_sum])
+        if self.rank == self.last_rank:
+            losses = stats.losses(loss_sum)
+            self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
+            tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
+            print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
+                                 consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
+                                 tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
+                                 global_batch_size=args.global_batch_size, losses=losses,
+                                 loss_scale=float(self.optimizer.loss_scale), grad_norm=grad_norm,
+                                 skipped=stats.skipped, nans=stats.nans,
+                                 timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
+            if args.log_timers_to_tensorboard:
+                self.tb.scalars({"iteration-time": seconds_per_iter,
+                                 "throughput": tflops if args.log_throughput else None},
+                                self.iteration, self.consumed_samples)
+        stats.reset()
+
+    def _tensorboard_step(self, loss, grad_norm) -> None:
+        """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
+        the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
+        ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
+        communication counters. Collective on the last stage (the loss's DP mean)."""
+        args = self.args
+        if not args.tensorboard_dir or self.iteration % args.tensorboard_log_interval:
+            return
+        lm = self._dp_mean([loss]) if loss is not None else None
+        if self.rank != self.last_rank:
+            return
+        scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
+                   "grad-norm": grad_norm}
+        if args.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = float(self.optimizer.loss_scale)
+        if args.log_world_size_to_tensorboard:
+            scalars["world-size"] = args.world_size
+        if args.log_memory_to_tensorboard:
+            scalars.update(memory_scalars(self.device))
+        scalars.update(self.optimizer.comm_scalars())
+        self.tb.scalars(scalars, self.iteration, self.consumed_samples)
+
+    def _log_validation(self, val: float | None) -> None:
+        if self.rank == self.last_rank and val is not None:
+            print(validation_line(self.iteration, val), flush=True)
+            scalars = {"lm loss validation": val}
+            if self.args.log_validation_ppl_to_tensorboard:
+                scalars["lm loss validation ppl"] = math.exp(min(20.0, val))
+            self.tb.scalars(scalars, self.iteration, self.consumed_samples)
+
+
+@contextlib.contextmanager
+def attention_backend(name: str, device: torch.device):
+    """``--attention-backend`` / ``--use-flash-attn`` as SDPA backends on CUDA: flash -> FLASH_ATTENTION,
+    fused -> EFFICIENT_ATTENTION, unfused/local -> MATH; auto leaves SDPA's own choice (on CPU SDPA
+    computes the same function whatever the name)."""
+    if name == "auto" or device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.EFFICIENT_ATTENTION,
+               "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}[name]
+    with sdpa_kernel([backend]):
+        yield
+
+
+def memory_scalars(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"mem-allocated-bytes": torch.cuda.memory_allocated(device),
+                "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(device),
+                "mem-reserved-bytes": torch.cuda.memory_reserved(device)}
+    try:
+        import resource
+        return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    except ImportError:
+        return {}

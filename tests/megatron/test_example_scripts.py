@@ -1,0 +1,70 @@
+"""Launch scripts with the flag sets of Megatron-LM's three examples (examples/megatron/): GPT-3
+and Llama-3 train, save, resume from the same --load folder and print Megatron's log line;
+Mixtral stops before training naming its MoE flags. Also the flag table against --help."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from megazero.megatron_flags import markdown_table, megatron_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|")
+
+
+def script(name, *argv, **env):
+    out = subprocess.run(["bash", str(ROOT / "examples" / "megatron" / name), *map(str, argv)], capture_output=True,
+                         text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    return out, [LINE.match(l).groups() for l in out.stdout.splitlines() if LINE.match(l)]
+
+
+def test_gpt3_script_trains_saves_and_resumes(tmp_path):
+    ck, tb = tmp_path / "ck", tmp_path / "tb"
+    out, lines = script("train_gpt3_distributed.sh", ck, tb, 4)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting from scratch" in out.stdout  # --load ck does not exist yet on the first run
+    assert [l[0] for l in lines] == ["1", "2", "3", "4"] and lines[-1][2] == "16"  # 4 samples/iteration (schedule)
+    out, lines = script("train_gpt3_distributed.sh", ck, tb, 6)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [l[0] for l in lines] == ["5", "6"] and lines[-1][2] == "24"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
+def test_llama3_script_names_what_is_unavailable_then_trains_without_it(tmp_path):
+    ck, tb = tmp_path / "ck", tmp_path / "tb"
+    out, _ = script("train_llama3_8b.sh", ck, tb, 24)
+    assert out.returncode != 0
+    error = next(l for l in out.stderr.splitlines() if "pretrain_gpt.py: error:" in l)
+    named = set(re.findall(r"(?:megazero: |, |\); )(--[a-z0-9-]+)", error))  # the names, not the advice
+    assert named == {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"}, error
+    out, lines = script("train_llama3_8b.sh", ck, tb, 24, DROP_UNAVAILABLE="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Megatron-LM flags with no effect here" in out.stdout and "--manual-gc" in out.stdout
+    assert [l[0] for l in lines] == ["1", "2", "3"] and "throughput per GPU" in out.stdout
+    out, lines = script("train_llama3_8b.sh", ck, tb, 48, DROP_UNAVAILABLE="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [l[:3] for l in lines] == [(str(i), "6", str(8 * i)) for i in range(4, 7)]
+
+
+def test_mixtral_script_stops_naming_the_moe_flags(tmp_path):
+    out, lines = script("train_mixtral_8x7b_distributed.sh", tmp_path / "ck")
+    assert out.returncode != 0 and not lines
+    error = next(l for l in out.stderr.splitlines() if "pretrain_gpt.py: error:" in l)
+    for flag in ("--num-experts 8", "--moe-grouped-gemm", "--moe-token-dispatcher-type alltoall",
+                 "--expert-model-parallel-size"):
+        assert flag in error
+    assert "mixture-of-experts is not available" in error and not (tmp_path / "ck").exists()
+
+
+def test_flag_table_matches_help_and_docs():
+    """Every Megatron flag in the table is in pretrain_gpt.py --help; docs/megatron.md holds the
+    table as markdown_table() prints it."""
+    help_text = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--help"], capture_output=True,
+                               text=True, timeout=60, cwd=ROOT).stdout
+    shown = set(re.findall(r"(--[A-Za-z0-9_-]+)", help_text))
+    missing = [f.name for f in megatron_flags() if not set(f.options) & shown]
+    assert not missing, missing
+    assert len(megatron_flags()) > 600 and {f.cls for f in megatron_flags()} == {1, 2, 3}
+    assert markdown_table() in (ROOT / "docs" / "megatron.md").read_text()
