@@ -53,7 +53,7 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--hidden-dropout", "0", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
             "--seed", "7"]
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
-LOSS_RE = re.compile(r"^ iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.eE+-]+) \|", re.M)
+LOSS_RE = re.compile(r"^(?: \[[^\]]*\])? iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.eE+-]+) \|", re.M)
 PROMPTS = [[5, 6, 7, 8], [40, 42, 44], [90, 91]]
 
 

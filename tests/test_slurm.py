@@ -46,7 +46,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_DIR = ROOT / "examples" / "slurm"
-ITER_RE = re.compile(r"^ iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: ([0-9.eE+-]+) \|", re.M)
+ITER_RE = re.compile(r"^(?: \[[^\]]*\])? iteration\s+(\d+)/\s*(\d+) \|.*\| lm loss: ([0-9.eE+-]+) \|", re.M)
 TINY_GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
             "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data --vocab-size 128 "
             "--log-interval 1 --eval-interval 1000 --eval-iters 0 --distributed-backend gloo")
