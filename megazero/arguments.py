@@ -91,6 +91,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights: stored w (initialized to 0), applied as 1 + w")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's), as Megatron-LM's flag; default exact GELU")

@@ -74,7 +74,7 @@ TABLE = """\
 --fp32-residual-connection	fp32_residual_connection	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
 --apply-residual-connection-post-layernorm	apply_residual_connection_post_layernorm	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
 --norm-epsilon	layernorm_epsilon	1	1e-05	1	as in Megatron-LM
---apply-layernorm-1p	layernorm_zero_centered_gamma	0	False	3	zero-centred norm weights (scale 1 + w) are not available: drop it (norm weights start at 1, the same function in fp32, not the same bf16 rounding)
+--apply-layernorm-1p	apply_layernorm_1p	0	False	1	zero-centred norm weights (LayerNorm and RMSNorm): stored w, initialized to 0, applied as 1 + w
 --disable-bias-linear	add_bias_linear	0	True	1	as in Megatron-LM
 --add-qkv-bias	add_qkv_bias	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
 --glu-linear-offset	glu_linear_offset	1	0.0	3	hybrid/SSM/sparse attention models are not available

@@ -2,9 +2,8 @@
 # Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0), flag for flag, with the
 # sizes shrunk to a CPU run, its MOCK data branch, and DTYPE bf16 instead of fp8 (fp8 needs a GPU):
 #   bash examples/megatron/train_llama3_8b.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH [TRAIN_SAMPLES]
-# megazero refuses three of its flags (--apply-layernorm-1p, --decoupled-lr, --decoupled-min-lr:
-# docs/megatron.md); DROP_UNAVAILABLE=1 leaves them out and trains what Megatron would train
-# without them.
+# megazero refuses two of its flags (--decoupled-lr, --decoupled-min-lr: docs/megatron.md);
+# DROP_UNAVAILABLE=1 leaves them out and trains what Megatron would train without them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -113,7 +112,6 @@ if [[ "${DROP_UNAVAILABLE:-0}" == "1" ]]; then
     KEEP=()
     for ((i = 0; i < ${#ALL[@]}; i++)); do
         case "${ALL[$i]}" in
-            --apply-layernorm-1p) ;;
             --decoupled-lr|--decoupled-min-lr) i=$((i + 1)) ;;
             *) KEEP+=("${ALL[$i]}") ;;
         esac

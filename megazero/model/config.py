@@ -24,7 +24,7 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std",
-            "seed", "params_dtype")
+            "seed", "params_dtype", "apply_layernorm_1p")
 # The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -71,6 +71,7 @@ class GPTConfig:
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # norm weights stored as w, applied as 1 + w (start at 0)
     activation: str = "gelu"
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
@@ -156,6 +157,7 @@ class GPTConfig:
             max_position_embeddings=args.max_position_embeddings,
             position_embedding_type=args.position_embedding_type, rotary_base=float(args.rotary_base),
             normalization=args.normalization, norm_epsilon=args.norm_epsilon,
+            apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
             activation=activation, add_bias_linear=args.add_bias_linear,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             attention_dropout=getattr(args, "attention_dropout", 0.1),
@@ -195,6 +197,7 @@ class GPTConfig:
                 "max_position_embeddings": self.max_position_embeddings,
                 "position_embedding_type": self.position_embedding_type, "rotary_base": self.rotary_base,
                 "normalization": self.normalization, "norm_epsilon": self.norm_epsilon,
+                "apply_layernorm_1p": self.apply_layernorm_1p,
                 "swiglu": self.activation == "swiglu", "openai_gelu": self.activation == "gelu_tanh",
                 "add_bias_linear": self.add_bias_linear,
                 "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,

@@ -39,15 +39,24 @@ from .config import GPTConfig
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dim; replicated params, TP-summed grads under SP."""
+    """LayerNorm or RMSNorm over the hidden dim; replicated params, TP-summed grads under SP.
+
+    ``config.apply_layernorm_1p`` (Megatron's ``--apply-layernorm-1p``, its config's
+    ``layernorm_zero_centered_gamma``): the stored weight ``w`` starts at 0 and the norm scales
+    by ``1 + w`` (LayerNorm: ``(1 + w) * (x - mean) / sqrt(var + eps) + b``; RMSNorm:
+    ``(1 + w) * x / sqrt(mean(x^2) + eps)``), as Megatron-LM's FusedLayerNorm and Transformer
+    Engine's ``zero_centered_gamma`` do.
+    """
 
     def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, device):
         super().__init__()
         self.kind, self.eps, self.tp_group = config.normalization, config.norm_epsilon, tp_group
         self.sequence_parallel = sequence_parallel
+        self.one_plus = config.apply_layernorm_1p
         h = config.hidden_size
-        self.param_inits = {"weight": lambda: torch.ones(h)}  # values for a meta-device build
-        self.weight = nn.Parameter(torch.ones(h, dtype=config.params_dtype, device=device))
+        start = torch.zeros if self.one_plus else torch.ones
+        self.param_inits = {"weight": lambda: start(h)}  # values for a meta-device build
+        self.weight = nn.Parameter(start(h, dtype=config.params_dtype, device=device))
         if self.kind == "LayerNorm":
             self.param_inits["bias"] = lambda: torch.zeros(h)
             self.bias = nn.Parameter(torch.zeros(h, dtype=config.params_dtype, device=device))
@@ -59,6 +68,8 @@ class Norm(nn.Module):
         if self.sequence_parallel:
             w = copy_to_tp_region(w, self.tp_group)
             b = None if b is None else copy_to_tp_region(b, self.tp_group)
+        if self.one_plus:
+            w = w + 1
         if self.kind == "LayerNorm":
             return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
