@@ -191,11 +191,9 @@ class ZeroOptimizer(ShardState):
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         self.iteration += 1
-        segments = [(r, g, a, b) for r, g in zip(self.regions, grads) for a, b in r.decay_segments]
-        adamw_step([r.master for r in self.regions], grads, [r.exp_avg for r in self.regions],
-                   [r.exp_avg_sq for r in self.regions], [r.master[a:b] for r, _, a, b in segments],
-                   step=self.iteration, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                   decoupled=self.decoupled_weight_decay, decay_grads=[g[a:b] for _, g, a, b in segments])
+        for lists, decay_grads in _slices(self.regions, grads, ADAM_SLICE):
+            adamw_step(*lists, step=self.iteration, lr=lr, betas=self.betas, eps=self.eps, decay_grads=decay_grads,
+                       weight_decay=self.weight_decay, decoupled=self.decoupled_weight_decay)
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
         self._end_step(found_inf=False)
@@ -265,3 +263,34 @@ class ZeroOptimizer(ShardState):
             h.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+
+
+ADAM_SLICE = 1 << 24  # elements per AdamW call: its temporaries (the denominator) stay <= 64 MB
+
+
+def _slices(regions, grads, size: int):
+    """``adamw_step``'s positional lists and its ``decay_grads``, over consecutive pieces of about
+    ``size`` elements of the regions' shards. AdamW is elementwise, so the pieces give the same
+    bits as one call over everything, with temporaries of one piece instead of the whole shard."""
+    pieces = [(r, g, lo, min(lo + size, r.shard_len)) for r, g in zip(regions, grads)
+              for lo in range(0, r.shard_len, size)]
+    batch, n = [], 0
+    for piece in pieces + [None]:
+        if batch and (piece is None or n + piece[3] - piece[2] > size):
+            yield _adam_lists(batch)
+            batch, n = [], 0
+        if piece is not None:
+            batch.append(piece)
+            n += piece[3] - piece[2]
+
+
+def _adam_lists(batch):
+    """``((params, grads, exp_avgs, exp_avg_sqs, decay views), decay_grads)`` of
+    ``[(region, grad, lo, hi)]``: shard pieces ``[lo, hi)`` and the decayed segments inside them."""
+    cut = [(r, g, lo, hi, [(max(a, lo), min(b, hi)) for a, b in r.decay_segments if max(a, lo) < min(b, hi)])
+           for r, g, lo, hi in batch]
+    lists = ([r.master[lo:hi] for r, _, lo, hi, _ in cut], [g[lo:hi] for _, g, lo, hi, _ in cut],
+             [r.exp_avg[lo:hi] for r, _, lo, hi, _ in cut], [r.exp_avg_sq[lo:hi] for r, _, lo, hi, _ in cut],
+             [r.master[a:b] for r, _, _, _, segs in cut for a, b in segs])
+    return lists, [g[a:b] for _, g, _, _, segs in cut for a, b in segs]
+
