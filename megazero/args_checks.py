@@ -241,6 +241,9 @@ def _validate_features(err, args) -> None:
         err(f"--ckpt-format {args.ckpt_format} is not available: megazero writes its own format, which "
             "reshards on load like torch_dist; use --ckpt-format torch_dist (or torch), and "
             "tools/convert_checkpoint.py to import or export")
+    if args.eod_mask_loss and args.calculate_per_token_loss:
+        err("--calculate-per-token-loss with --eod-mask-loss is not available: megazero averages the loss per "
+            "micro-batch (Megatron without --calculate-per-token-loss); drop --calculate-per-token-loss")
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         err("--no-position-embedding with --position-embedding-type learned_absolute (a GPT without positions) "
             "is not available; use --position-embedding-type rope")

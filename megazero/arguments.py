@@ -128,7 +128,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit after the iteration at which the run has lasted this long")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="per-token mean over the global batch (equal to megazero's without --eod-mask-loss)")
+                   help="per-token mean over the global batch (equal to megazero's; not with --eod-mask-loss)")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration divisible by this")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM/SIGUSR1, save a checkpoint and exit 0 at the end of the iteration (as Megatron)")
@@ -242,6 +242,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
+    for flag in ("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"):  # training/data.py
+        g.add_argument(flag, action="store_true", help="as Megatron's get_ltor_masks_and_position_ids")
     g.add_argument("--tokenizer-type", default=None, help="one of " + ", ".join(TOKENIZERS))
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)

@@ -87,7 +87,7 @@ TABLE = """\
 --qk-clip-alpha	qk_clip_alpha	1	0.5	3	this model variant is not available in megazero's GPT (docs/model.md)
 --qk-clip-threshold	qk_clip_threshold	1	100	3	this model variant is not available in megazero's GPT (docs/model.md)
 --attention-output-gate	attention_output_gate	0	False	3	this model variant is not available in megazero's GPT (docs/model.md)
---calculate-per-token-loss	calculate_per_token_loss	0	False	1	per-token mean over the global batch: equal to the mean of micro-batch means here, since every micro-batch holds the same number of loss tokens (no --eod-mask-loss)
+--calculate-per-token-loss	calculate_per_token_loss	0	False	1	per-token mean over the global batch: equal to the mean of micro-batch means here, since every micro-batch holds the same number of loss tokens (an error with --eod-mask-loss)
 --multi-latent-attention	multi_latent_attention	0	False	3	multi-latent attention is not available
 --experimental-attention-variant	experimental_attention_variant	1	None	3	hybrid/SSM/sparse attention models are not available
 --dsa-indexer-n-heads	dsa_indexer_n_heads	1	None	3	hybrid/SSM/sparse attention models are not available
@@ -528,10 +528,10 @@ TABLE = """\
 --mask-prob	mask_prob	1	0.15	3	this data or evaluation mode is not available (docs/data.md)
 --short-seq-prob	short_seq_prob	1	0.1	3	this data or evaluation mode is not available (docs/data.md)
 --num-workers	num_workers	1	2	2	data loading mechanics: same samples
---reset-position-ids	reset_position_ids	0	False	3	not available yet: positions run over the whole sequence (drop it)
---reset-attention-mask	reset_attention_mask	0	False	3	not available in megazero: drop it to train what Megatron trains by default
+--reset-position-ids	reset_position_ids	0	False	1	positions restart at 0 after each end-of-document token
+--reset-attention-mask	reset_attention_mask	0	False	1	document-wise attention: block-diagonal per document within the causal mask (SDPA with a boolean mask)
 --dataloader-inter-document-masking	dataloader_inter_document_masking	0	False	3	this data or evaluation mode is not available (docs/data.md)
---eod-mask-loss	eod_mask_loss	0	False	3	not available yet: the loss covers every token (drop it)
+--eod-mask-loss	eod_mask_loss	0	False	1	loss mask 0 where the input token is end-of-document
 --no-create-attention-mask-in-dataloader	create_attention_mask_in_dataloader	0	True	2	data loading mechanics: same samples
 --num-dataset-builder-threads	num_dataset_builder_threads	1	1	2	data loading mechanics: same samples
 --object-storage-cache-path	object_storage_cache_path	1	None	2	data loading mechanics: same samples

@@ -139,10 +139,13 @@ class GPTModel(nn.Module):
         return [(layers[i:i + n], True) for i in range(0, len(layers), n)]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, inference_cache=None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, inference_cache=None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """See docs/INTERFACES.md. ``inference_cache`` (a prepared
         :class:`~megazero.model.inference.InferenceCache`): ``x`` holds only the new tokens, the
-        layers attend over the cached keys/values too (position ids default to the cache's)."""
+        layers attend over the cached keys/values too (position ids default to the cache's).
+        ``attention_mask``: ``[b, 1, s, s]`` bool, True where attention is not allowed (causal
+        part included; ``--reset-attention-mask``'s per-document mask); None: causal."""
         if self.pre_process:
             b, s = x.shape
         else:
@@ -169,7 +172,7 @@ class GPTModel(nn.Module):
         for layers, recompute in layer_groups:
             def run(h, *cos_sin, layers=layers):
                 for layer in layers:
-                    h = layer(h, cos_sin if cos_sin else None)
+                    h = layer(h, cos_sin if cos_sin else None, attention_mask=attention_mask)
                 return h
             args = (hidden,) + (tuple(rope) if rope is not None else ())
             hidden = checkpoint(run, self.rng, *args) if recompute else run(*args)

@@ -117,11 +117,13 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
 def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     """The GPT's forward step (``forward_step`` of :class:`~megazero.pipeline.PipelineRunner`):
     hidden states for the next stage, or on the last stage the micro-batch's mean loss over its
-    unmasked tokens ``sum(loss * loss_mask) / sum(loss_mask)`` (plain mean without a mask)."""
+    unmasked tokens ``sum(loss * loss_mask) / sum(loss_mask)`` (plain mean without a mask).
+    An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer."""
     x = micro_batch["tokens"] if input_tensor is None else input_tensor
+    extra = {"attention_mask": micro_batch["attention_mask"]} if "attention_mask" in micro_batch else {}
     if not getattr(chunk, "post_process", False):
-        return chunk(x, position_ids=micro_batch.get("position_ids"))
-    losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"])
+        return chunk(x, position_ids=micro_batch.get("position_ids"), **extra)
+    losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"], **extra)
     mask = micro_batch.get("loss_mask")
     if mask is None:
         return losses.float().mean()

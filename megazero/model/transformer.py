@@ -110,22 +110,30 @@ class Attention(nn.Module):
                                                                  f"{key}.dense.weight"),
                                        params_dtype=config.params_dtype, device=device)
 
-    def core_attention(self, q, k, v):
-        """``[b, H/p, s, d]`` x ``[b, G/p, s, d]`` x2 -> ``[b, H/p, s, d]`` causal attention."""
+    def core_attention(self, q, k, v, attention_mask=None):
+        """``[b, H/p, s, d]`` x ``[b, G/p, s, d]`` x2 -> ``[b, H/p, s, d]`` causal attention.
+
+        ``attention_mask`` (optional, ``[b, 1, s, s]`` bool, Megatron's convention: True where a
+        query may NOT attend to a key; it already holds the causal part, e.g. the block-diagonal
+        per-document mask of ``--reset-attention-mask``) replaces the plain causal mask."""
         p_drop = self.config.attention_dropout
         if not (self.training and p_drop > 0):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+            if attention_mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
+                                                  enable_gqa=self.groups != self.heads)
         rep = self.heads // self.groups
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d))
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.float().masked_fill(causal, float("-inf")), dim=-1).to(q.dtype)
+        masked = attention_mask if attention_mask is not None else (
+            torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1))
+        probs = torch.softmax(scores.float().masked_fill(masked, float("-inf")), dim=-1).to(q.dtype)
         probs = dropout(probs, p_drop, True, self.tracker, TENSOR_PARALLEL)
         return torch.matmul(probs, v)
 
-    def forward(self, x, rope=None, inference_cache=None):
+    def forward(self, x, rope=None, inference_cache=None, attention_mask=None):
         qkv = self.qkv(x)  # [s, b, (H + 2G) d / p]
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([self.heads * self.d, self.groups * self.d, self.groups * self.d], dim=-1)
@@ -138,9 +146,9 @@ class Attention(nn.Module):
             k, v = inference_cache.update(self.layer_number, k, v)
             ctx = inference_cache.attend(q, k, v)
         elif self.config.recompute_granularity == "selective" and self.training:
-            ctx = checkpoint(self.core_attention, self.tracker, q, k, v)
+            ctx = checkpoint(self.core_attention, self.tracker, q, k, v, attention_mask)
         else:
-            ctx = self.core_attention(q, k, v)
+            ctx = self.core_attention(q, k, v, attention_mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         return self.dense(ctx)
 
@@ -192,8 +200,8 @@ class TransformerLayer(nn.Module):
             out = out + bias
         return residual + dropout(out, self.config.hidden_dropout, self.training, self.tracker, self.dropout_rng)
 
-    def forward(self, x, rope=None, inference_cache=None):
-        out, bias = self.attention(self.input_norm(x), rope, inference_cache)
+    def forward(self, x, rope=None, inference_cache=None, attention_mask=None):
+        out, bias = self.attention(self.input_norm(x), rope, inference_cache, attention_mask)
         x = self._bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.post_attention_norm(x))
         return self._bias_dropout_add(out, bias, x)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -79,9 +81,62 @@ def build_datasets(args, vocab_size: int):
     return train, valid
 
 
+@dataclass(frozen=True)
+class DocumentMasks:
+    """Megatron's ``get_ltor_masks_and_position_ids`` switches and the end-of-document id.
+
+    For input tokens ``t [b, s]`` and ``e = (t == eod)``, the document of position ``j`` is the
+    number of eod tokens strictly before ``j`` (an eod token ends its own document):
+
+    * ``eod_mask_loss``: ``loss_mask[j] = 0`` where ``t[j]`` is eod (the prediction after it);
+    * ``reset_position_ids``: ``position_ids[j] = j - start(j)``, ``start(j)`` = 1 + the index of
+      the last eod before ``j`` (0 if none): positions restart after each eod;
+    * ``reset_attention_mask``: ``attention_mask [b, 1, s, s]`` bool, True where query ``q`` may
+      not attend to key ``k``: ``k > q`` or ``doc(k) != doc(q)`` (block-diagonal within causal).
+    """
+
+    eod: int
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    @classmethod
+    def from_args(cls, args, vocab_size: int) -> "DocumentMasks | None":
+        """None unless one of the three flags is on. eod: the tokenizer's; with mock data and no
+        ``--tokenizer-type``, ``vocab_size - 1`` (NullTokenizer's convention here)."""
+        flags = dict(eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+                     reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+                     reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
+        if not any(flags.values()):
+            return None
+        if getattr(args, "tokenizer_type", None) is None:
+            return cls(eod=vocab_size - 1, **flags)
+        from megazero.data import build_tokenizer
+        return cls(eod=build_tokenizer(args).eod, **flags)
+
+    def __call__(self, tokens: torch.Tensor) -> dict:
+        """``loss_mask``, ``position_ids`` and (with ``reset_attention_mask``) ``attention_mask``."""
+        b, s = tokens.shape
+        is_eod = tokens == self.eod
+        arange = torch.arange(s, device=tokens.device)
+        out = {"loss_mask": (~is_eod if self.eod_mask_loss else torch.ones_like(is_eod)).to(torch.float32)}
+        out["position_ids"] = arange.unsqueeze(0).expand(b, s)
+        if self.reset_position_ids:  # start(j): cummax of (i + 1) over eods i < j
+            after_eod = torch.where(is_eod, arange + 1, torch.zeros_like(arange)).cummax(dim=1).values
+            start = torch.cat([torch.zeros_like(after_eod[:, :1]), after_eod[:, :-1]], dim=1)
+            out["position_ids"] = arange - start
+        if self.reset_attention_mask:
+            doc = is_eod.long().cumsum(dim=1) - is_eod.long()
+            future = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)
+            out["attention_mask"] = (future | (doc.unsqueeze(2) != doc.unsqueeze(1))).unsqueeze(1)
+        return out
+
+
 def micro_batch_iterator(dataset, consumed_samples: int, *, seq_length: int, micro_batch_size: int,
-                         topo: Topology, device, cycle: bool = False):
-    """Yield this DP rank's micro-batches (dicts of tensors on ``device``) from ``consumed_samples`` on."""
+                         topo: Topology, device, cycle: bool = False, masks: DocumentMasks | None = None):
+    """Yield this DP rank's micro-batches (dicts of tensors on ``device``: ``tokens``, ``labels``,
+    ``loss_mask``, ``position_ids``, and ``attention_mask`` with ``--reset-attention-mask``) from
+    ``consumed_samples`` on; ``masks`` (:class:`DocumentMasks`) for Megatron's eod switches."""
     from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
     position_ids = torch.arange(seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1)
     start = consumed_samples
@@ -89,6 +144,9 @@ def micro_batch_iterator(dataset, consumed_samples: int, *, seq_length: int, mic
         sampler = PretrainingSampler(len(dataset), start, micro_batch_size, topo.dp_rank, topo.dp)
         for indices in sampler:
             tokens, labels = (t.to(device) for t in get_tokens_and_labels(collate([dataset[i] for i in indices])))
+            if masks is not None:
+                yield {"tokens": tokens, "labels": labels, **masks(tokens)}
+                continue
             yield {"tokens": tokens, "labels": labels, "position_ids": position_ids,
                    "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
         if not cycle:

@@ -24,7 +24,7 @@ from megazero.checkpoint.api import load_run, start_save
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
-from megazero.training.data import micro_batch_iterator
+from megazero.training.data import DocumentMasks, micro_batch_iterator
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats, model_flops_per_iteration
 from megazero.training.lr_schedule import LRScheduler
@@ -55,11 +55,12 @@ class Trainer(TrainerLogging):
         self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
+        self.doc_masks = DocumentMasks.from_args(args, model_config.vocab_size)  # eod switches, or None
 
     def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
         return micro_batch_iterator(dataset, consumed_samples, seq_length=self.args.seq_length,
                                     micro_batch_size=self.args.micro_batch_size, topo=self.topo,
-                                    device=self.device, cycle=cycle)
+                                    device=self.device, cycle=cycle, masks=self.doc_masks)
 
     # ---- one iteration -------------------------------------------------------------
     def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
