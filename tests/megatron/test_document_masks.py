@@ -3,6 +3,12 @@ get_ltor_masks_and_position_ids (core_v0.19.0 megatron/core/datasets/gpt_dataset
 hand-worked example and a literal loop of Megatron's code; the per-document mask in the model is
 block-diagonal (a document's outputs ignore earlier documents) and TP 2 equals TP 1."""
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from megazero.arguments import parse_args
@@ -113,3 +119,27 @@ def test_document_mask_tp2_equals_tp1():
         torch.testing.assert_close(loss2, loss1, rtol=1e-6, atol=1e-6)
         for name in g1:
             torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6)
+
+
+def _lm_losses(nproc, flags):
+    root = Path(__file__).resolve().parents[2]
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2",
+            "--log-interval", "1", "--eval-iters", "0", "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--mock-data", "--vocab-size", "10", "--position-embedding-type", "rope", "--seed", "5", *flags]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    out = subprocess.run([*launch, str(root / "pretrain_gpt.py"), *base], capture_output=True, text=True,
+                         timeout=300, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [float(m) for m in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", out.stdout)]
+
+
+def test_training_with_document_masks_pp2_equals_pp1():
+    """Mock tokens in [0, 10): eod 9 about every tenth token. Through pretrain_gpt.py the three
+    switches change the loss, and PP 2 (the mask reaches both stages) equals one process."""
+    flags = ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    plain, one = _lm_losses(1, []), _lm_losses(1, flags)
+    two = _lm_losses(2, flags + ["--pipeline-model-parallel-size", "2"])
+    assert len(one) == len(two) == 2 and all(abs(a - b) > 1e-4 for a, b in zip(plain, one))
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(a)
