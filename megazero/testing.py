@@ -32,6 +32,8 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from megazero.parallel.heartbeat import Heartbeat
+
 
 class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
@@ -56,7 +58,7 @@ def _store_host(port, world_size, timeout_s):
         time.sleep(3600)
 
 
-def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s):
+def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s, heartbeat_s):
     import torch
     torch.set_num_threads(1)
     try:
@@ -65,7 +67,10 @@ def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s)
                               timeout=timedelta(seconds=collective_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
+        heartbeat = Heartbeat("127.0.0.1", port, rank, world_size, heartbeat_s).start() if heartbeat_s else None
         result = fn(rank, world_size, *args, **kwargs)
+        if heartbeat is not None:
+            heartbeat.stop()
         payload = pickle.dumps(("ok", result))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         payload = pickle.dumps(("error", traceback.format_exc()))
@@ -77,8 +82,11 @@ def _child(rank, world_size, port, conn, fn, args, kwargs, collective_timeout_s)
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_s: float = 5.0,
-                    collective_timeout_s: float = 60.0, **kwargs) -> list:
+                    collective_timeout_s: float = 60.0, heartbeat_s: float | None = None, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks.
+
+    ``heartbeat_s``: start each rank's :class:`~megazero.parallel.heartbeat.Heartbeat` with that
+    timeout, as a launched run does (fault tests).
 
     Returns the per-rank results; raises :class:`RankFailure` or :class:`RankTimeout`.
     """
@@ -90,7 +98,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, daemon=True,
-                        args=(rank, world_size, port, child_conn, fn, args, kwargs, collective_timeout_s))
+                        args=(rank, world_size, port, child_conn, fn, args, kwargs, collective_timeout_s, heartbeat_s))
         p.start()
         child_conn.close()
         procs.append(p)

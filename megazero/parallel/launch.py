@@ -13,6 +13,10 @@ The backend is NCCL with CUDA and gloo otherwise (``--distributed-backend`` over
 local rank takes ``cuda:local_rank``. When ranks on a node outnumber its cores, each rank runs
 one intra-op thread (8 gloo ranks on 2 cores run ~13x faster than with default threads);
 otherwise the cores are divided evenly.
+
+Every launched rank (world > 1) starts a :class:`~megazero.parallel.heartbeat.Heartbeat` on the
+rendezvous store with the run's timeout: a stopped rank is named by its watchers, and SIGTERM ends
+a rank blocked in a collective (``MEGAZERO_HEARTBEAT=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megazero.parallel.heartbeat import Heartbeat
 
 
 @dataclass(frozen=True)
@@ -114,4 +120,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                             timeout=timeout, **kwargs)
+    if launch.world_size > 1 and env.get("MEGAZERO_HEARTBEAT", "1") != "0":
+        Heartbeat(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
+                  timeout_s=timeout_minutes * 60).start()  # names a silent rank; ends a blocked one on SIGTERM
     return launch, device

@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -136,10 +137,12 @@ class Topology:
         return self.group("embedding")
 
     # ---- process groups ----------------------------------------------------------------
-    def create_groups(self, backend: str | None = None) -> "Topology":
+    def create_groups(self, backend: str | None = None, timeout: timedelta | None = None) -> "Topology":
         """Create every group of every kind (collective: all ranks call it, same order).
 
-        Requires ``torch.distributed`` initialized with this topology's world size.
+        Requires ``torch.distributed`` initialized with this topology's world size. ``timeout``
+        (``--distributed-timeout-minutes``) bounds every collective of every group: a peer that
+        stops answering makes the call raise instead of blocking forever.
         """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
@@ -152,7 +155,7 @@ class Topology:
                 if key in seen:  # e.g. embedding == position_embedding lists when PP == 1
                     continue
                 seen.add(key)
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if self.rank in ranks and kind not in self.groups:
                     self.groups[kind] = group
         return self

@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import torch
 
@@ -67,7 +69,8 @@ def setup(args, model_provider=None, forward_step_func=None):
                            f"{args.world_size}")
     topo = Topology(args.world_size, launch.rank, tp=args.tensor_model_parallel_size,                 # 3
                     pp=args.pipeline_model_parallel_size,
-                    vp=args.virtual_pipeline_model_parallel_size or 1).create_groups()
+                    vp=args.virtual_pipeline_model_parallel_size or 1).create_groups(
+        timeout=timedelta(minutes=args.distributed_timeout_minutes))  # every group: no collective waits forever
     torch.manual_seed(args.seed + 100 * topo.pp_rank)                                                # 4
     np.random.seed(args.seed)
     datasets = build_datasets(args, model_config.vocab_size)                                         # 5
