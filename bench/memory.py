@@ -2,7 +2,7 @@
 load, for ZeRO stages 0-3 at several DP sizes on a >= 100M-parameter bf16 GPT, against the ZeRO
 formulas. Run one configuration after another (never two at once)::
 
-    PYTHONPATH=. .venv/bin/python bench/memory.py                       # stages 0-3 x DP 2, 4; 12 x 1024
+    PYTHONPATH=. .venv/bin/python bench/memory.py                       # stages 0-3 x DP 2, 4; 8 x 1024, Φ 152M
     PYTHONPATH=. .venv/bin/python bench/memory.py --build-only --stages 3 --dp 8 --layers 16 --hidden 2048
 
 Each rank is a forked process (``megazero.testing.run_distributed``, one intra-op thread). Before a
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=32)

@@ -67,14 +67,15 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
-def _host(obj):
-    """``obj`` with every tensor on the CPU (a copy from an accelerator; CPU tensors as they are)."""
+def _host(obj, copy: bool):
+    """``obj`` with every tensor on the CPU: one copy from an accelerator, and on the CPU a copy
+    only when ``copy`` (else the live tensor)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: _host(v) for k, v in obj.items()}
+        return {k: _host(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host(v) for v in obj)
+        return type(obj)(_host(v, copy) for v in obj)
     return obj
 
 
@@ -91,10 +92,11 @@ def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: d
     shards = [r["partitioned"] for r in index["regions"]]
     optimizer_state = None
     if save_optim:  # ZeRO 0: the replicas are DP rank 0's
-        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=copy))
+        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=False),
+                                copy)
     return schema.rank_state(model, scheduler_state, counters, rng=rng_state(stages.rng_states) if save_rng else None,
                              optimizer=optimizer_state,
-                             param_shards=_host(optimizer.param_shards(copy)) if any(shards) else None)
+                             param_shards=_host(optimizer.param_shards(copy=False), copy) if any(shards) else None)
 
 
 def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
