@@ -179,6 +179,8 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     """Checkpointing and mixed precision."""
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow --save to be a folder holding another run's checkpoints (megazero)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints from host copies in a background thread (Megatron's flag)")
@@ -242,6 +244,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
+    for split in ("train", "valid", "test"):  # Megatron's blend_per_split: instead of --data-path/--split
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None, help=f"the {split} split's prefixes")
     for flag in ("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"):  # training/data.py
         g.add_argument(flag, action="store_true", help="as Megatron's get_ltor_masks_and_position_ids")
     g.add_argument("--tokenizer-type", default=None, help="one of " + ", ".join(TOKENIZERS))

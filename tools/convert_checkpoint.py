@@ -250,6 +250,10 @@ def main(argv=None) -> int:
             to_hf(args.load, args.output, args.iteration, args.arch, args.dtype)
             print(f"wrote {args.output}/config.json and model.safetensors in {time.time() - t0:.2f} s")
         else:
+            if os.path.exists(args.save) and (not os.path.isdir(args.save) or os.listdir(args.save)):
+                raise CheckpointError(f"--save {args.save} is not an empty folder: importing there would move a "
+                                      "run's pointer to this checkpoint (its later iterations overwritten); "
+                                      "choose a new folder")
             if args.cmd == "from-hf":
                 (config, tokenizer), it = from_hf(args.hf, args.save, args.iteration, args.dtype), args.iteration
             else:

@@ -16,6 +16,7 @@ only); a missing, truncated or unsafe file raises :class:`CheckpointError` namin
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -116,6 +117,8 @@ def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) ->
     else:
         os.replace(tmp, final)
     _atomic_write_text(latest_file(root), f"{iteration}\n")
+    for stale in glob.glob(os.path.join(root, "iter_*.tmp")) + glob.glob(os.path.join(root, "iter_*.old")):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-save; published now, so safe
 
 
 def save_checkpoint(root: str, iteration: int, rank: int, state: dict, metadata: dict) -> str:

@@ -84,6 +84,11 @@ def detect_launch(env=os.environ) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")
 
 
+def current_rank(env=os.environ) -> int:
+    """This process's global rank: the process group's if started, else the launcher's."""
+    return dist.get_rank() if dist.is_initialized() else detect_launch(env).rank
+
+
 def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
     """One thread when ranks outnumber cores, else an even share of the node's cores."""
     cores = cores or os.cpu_count() or 1

@@ -31,7 +31,8 @@ import torch
 
 from megazero.config import OptimizerConfig
 from megazero.model.config import GPTConfig
-from megazero.parallel.launch import init_distributed
+from megazero.checkpoint.guard import guard_save_dir
+from megazero.parallel.launch import current_rank, init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of, with_checkpoint_tokenizer
 
@@ -62,6 +63,7 @@ def setup(args, model_provider=None, forward_step_func=None):
 
     args = with_checkpoint_tokenizer(args)  # an imported model's own tokenizer when none is named
     model_config, optimizer_config = build_configs(args)                                             # 1
+    guard_save_dir(args.save, args.load, getattr(args, "overwrite_checkpoints", False), current_rank())  # none lost
     scheduler = build_lr_scheduler(args)  # Megatron's schedule or a DeepSpeed config's scheduler block
     launch, device = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)  # 2
     if launch.world_size != args.world_size:

@@ -1,0 +1,154 @@
+"""No checkpoint lost: what a run checks about its ``--save`` folder before any work.
+
+* ``--save`` must be a folder that can be created and written (not a file, not under a read-only
+  or pseudo file system): checked by creating the folder and a probe file in it.
+* A folder already holding a checkpoint (``latest_checkpointed_iteration.txt`` or an
+  ``iter_*`` folder) is only saved into by the run that loads from it (``--load`` is the same
+  folder), or with ``--overwrite-checkpoints``; otherwise a new run would overwrite its iterations
+  and move its pointer back.
+* ``<save>/megazero.lock`` holds ``host pid time`` of the run saving there (written by rank 0,
+  exclusively created, its time refreshed every :data:`REFRESH_S` seconds by a daemon thread). A
+  second run refuses to start while the lock is live. A lock is stale, and is taken over with one
+  line saying so, when its process is gone (same host, pid not alive) or it has not been refreshed
+  for :data:`STALE_S` seconds (a dead host). The same process may claim its own lock again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import socket
+import threading
+import time
+
+from megazero.checkpoint.schema import CheckpointError, latest_file
+
+LOCK_NAME = "megazero.lock"
+REFRESH_S = 30.0
+STALE_S = 300.0
+
+
+def check_writable(save: str) -> None:
+    """Create ``save`` (and parents) and a probe file in it; raise naming the path and cause."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise CheckpointError(f"--save {save} is a file, not a folder")
+    probe = os.path.join(save, f".write-test-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {save} is not writable ({e.strerror or e}): nothing would be saved") from None
+
+
+def holds_checkpoint(save: str) -> bool:
+    return os.path.exists(latest_file(save)) or any(
+        os.path.isdir(p) and not p.endswith((".tmp", ".old")) for p in glob.glob(os.path.join(save, "iter_*")))
+
+
+def check_overwrite(save: str, load: str | None, overwrite: bool) -> None:
+    """Refuse a folder holding a checkpoint this run does not load from."""
+    if overwrite or not holds_checkpoint(save):
+        return
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        return
+    raise CheckpointError(f"--save {save} already holds a checkpoint that this run does not load from "
+                          f"(--load {load or 'not given'}): saving would overwrite its iterations and move its "
+                          "pointer; resume with --load pointing there, choose another --save, or pass "
+                          "--overwrite-checkpoints")
+
+
+def _read_lock(path: str):
+    try:
+        host, pid, stamp = open(path).read().split()[:3]
+        return host, int(pid), float(stamp)
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_state(path: str):
+    """``(None, why)``: free or stale; ``(owner text, None)``: held by a live run."""
+    held = _read_lock(path)
+    if held is None:
+        return None, None if not os.path.exists(path) else "unreadable"
+    host, pid, stamp = held
+    me = socket.gethostname()
+    if host == me and pid == os.getpid():
+        return None, None
+    if host == me and not _pid_alive(pid):
+        return None, f"process {pid} on {host} is gone"
+    age = time.time() - max(stamp, os.path.getmtime(path))
+    if age > STALE_S:
+        return None, f"not refreshed for {age:.0f} s (process {pid} on {host})"
+    return f"process {pid} on {host}", None
+
+
+def claim_lock(save: str, print_fn=print) -> str:
+    """Take ``save``'s lock for this process (see module doc); returns its path."""
+    path = os.path.join(save, LOCK_NAME)
+    owner, stale = lock_state(path)
+    if owner is not None:
+        raise CheckpointError(f"{path}: another run ({owner}) is saving into --save {save}; two runs in one folder "
+                              f"overwrite each other's checkpoints (remove the lock only if that run is gone)")
+    if stale:
+        print_fn(f"> taking over the stale checkpoint lock {path} ({stale})")
+    text = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"
+    if stale or os.path.exists(path):  # stale or our own: replace it
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    else:  # free: create it exclusively, so two runs starting together cannot both win
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return claim_lock(save, print_fn)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    stop = threading.Event()
+    threading.Thread(target=_refresh, args=(path, text, stop), name="megazero-save-lock", daemon=True).start()
+    atexit.register(release_lock, path, stop)
+    return path
+
+
+def _refresh(path: str, text: str, stop: threading.Event) -> None:
+    while not stop.wait(REFRESH_S):
+        try:
+            if open(path).read() == text:
+                os.utime(path)
+        except OSError:
+            pass
+
+
+def release_lock(path: str, stop: threading.Event | None = None) -> None:
+    """Remove the lock if this process holds it."""
+    if stop is not None:
+        stop.set()
+    held = _read_lock(path)
+    if held and held[0] == socket.gethostname() and held[1] == os.getpid():
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def guard_save_dir(save: str | None, load: str | None, overwrite: bool, rank: int, print_fn=print) -> None:
+    """Before any work: ``--save`` writable, not another run's checkpoints, locked by rank 0."""
+    if not save:
+        return
+    check_writable(save)
+    check_overwrite(save, load, overwrite)
+    if rank == 0:
+        claim_lock(save, print_fn)
