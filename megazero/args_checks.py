@@ -241,6 +241,12 @@ def _validate_features(err, args) -> None:
         err(f"--ckpt-format {args.ckpt_format} is not available: megazero writes its own format, which "
             "reshards on load like torch_dist; use --ckpt-format torch_dist (or torch), and "
             "tools/convert_checkpoint.py to import or export")
+    per_split = [f"--{k}-data-path" for k in ("train", "valid", "test") if getattr(args, f"{k}_data_path")]
+    if per_split and (args.data_path or args.mock_data):
+        err(f"{', '.join(per_split)} with {'--data-path' if args.data_path else '--mock-data'}: give a single "
+            "data source (Megatron-LM: one of --mock-data, --data-path, the per-split paths)")
+    if per_split and not args.train_data_path:
+        err(f"{', '.join(per_split)} without --train-data-path: training needs a train split")
     if args.eod_mask_loss and args.calculate_per_token_loss:
         err("--calculate-per-token-loss with --eod-mask-loss is not available: megazero averages the loss per "
             "micro-batch (Megatron without --calculate-per-token-loss); drop --calculate-per-token-loss")

@@ -510,9 +510,9 @@ TABLE = """\
 --data-path	data_path	*	None	1	as in Megatron-LM
 --phase-transition-iterations	phase_transition_iterations	1	None	3	this data or evaluation mode is not available (docs/data.md)
 --split	split	1	None	1	as in Megatron-LM
---train-data-path	train_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
---valid-data-path	valid_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
---test-data-path	test_data_path	*	None	3	per-split data paths are not available yet: use --data-path with --split
+--train-data-path	train_data_path	*	None	1	the split's own prefixes (weights as --data-path), every document of them; instead of --data-path/--split
+--valid-data-path	valid_data_path	*	None	1	the split's own prefixes (weights as --data-path), every document of them; instead of --data-path/--split
+--test-data-path	test_data_path	*	None	1	the split's own prefixes (weights as --data-path), every document of them; instead of --data-path/--split
 --data-args-path	data_args_path	1	None	1	file holding the --data-path list
 --per-split-data-args-path	per_split_data_args_path	1	None	3	not available: use --train-data-path/--valid-data-path/--test-data-path
 --per-dataset-sequences-path	per_dataset_sequences_path	1	None	3	this data or evaluation mode is not available (docs/data.md)

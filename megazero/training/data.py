@@ -25,8 +25,14 @@ class MockGPTDataset:
         return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
 
 
+def per_split_paths(args) -> tuple | None:
+    """``(--train-data-path, --valid-data-path, --test-data-path)`` when any is given, else None."""
+    paths = tuple(getattr(args, f"{k}_data_path", None) or None for k in ("train", "valid", "test"))
+    return paths if any(paths) else None
+
+
 def uses_mock_data(args) -> bool:
-    return bool(args.mock_data or not args.data_path)
+    return bool(args.mock_data or not (args.data_path or per_split_paths(args)))
 
 
 def vocab_size_of(args) -> int:
@@ -55,30 +61,48 @@ def with_checkpoint_tokenizer(args):
     return args.replace(**flags) if flags else args
 
 
-def sample_counts(args) -> tuple[int, int]:
-    """(train, valid) samples the run will draw: ``train_iters * B`` and, for every evaluation
-    (each ``eval_interval`` iterations plus one), ``eval_iters * B``."""
+def sample_counts(args) -> tuple[int, int, int]:
+    """(train, valid, test) samples the run will draw: ``train_iters * B``; for every validation
+    (each ``eval_interval`` iterations plus the one at the end of training) ``eval_iters * B``;
+    for the test evaluation at the end of training ``eval_iters * B`` (Megatron's counts)."""
     train = args.train_iters * args.global_batch_size
     evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
-    return train, max(evals * args.eval_iters * args.global_batch_size, 1)
+    return train, max(evals * args.eval_iters * args.global_batch_size, 1), args.eval_iters * args.global_batch_size
 
 
 def build_datasets(args, vocab_size: int):
-    """(train, valid) datasets. Collective when process groups exist: rank 0 builds the index
-    caches under ``--data-cache-path`` while the others wait at a barrier."""
-    train_samples, valid_samples = sample_counts(args)
+    """(train, valid, test) datasets (None where a split is empty or not asked for). Collective
+    when process groups exist: rank 0 builds the index caches under ``--data-cache-path`` while
+    the others wait at a barrier. ``--data-path`` with ``--split``: three ranges of the same
+    documents; ``--train/valid/test-data-path``: each split from all documents of its own
+    prefixes (Megatron's ``blend_per_split``); mock data: the test split when ``--split`` gives it
+    a share."""
+    from megazero.data.gpt_dataset import split_ranges
+    counts = sample_counts(args)
     if uses_mock_data(args):
-        return (MockGPTDataset(train_samples, args.seq_length, vocab_size, args.seed),
-                MockGPTDataset(valid_samples, args.seq_length, vocab_size, args.seed + 1))
+        d0, d1 = split_ranges(args.split, 1000)[2]
+        test = counts[2] > 0 and d1 > d0
+        return (MockGPTDataset(counts[0], args.seq_length, vocab_size, args.seed),
+                MockGPTDataset(counts[1], args.seq_length, vocab_size, args.seed + 1),
+                MockGPTDataset(counts[2], args.seq_length, vocab_size, args.seed + 2) if test else None)
     from megazero.data import build_train_valid_test_datasets
     rank = dist.get_rank() if dist.is_initialized() else 0
-    train, valid, _ = build_train_valid_test_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, (train_samples, valid_samples, 0),
-        cache_dir=args.data_cache_path, is_builder=rank == 0,
+    build = lambda paths, split, sizes: build_train_valid_test_datasets(  # noqa: E731
+        paths, split, args.seq_length, args.seed, sizes, cache_dir=args.data_cache_path, is_builder=rank == 0,
         barrier=dist.barrier if dist.is_initialized() else None)
-    if train is None:
-        raise ValueError(f"--split {args.split!r} leaves no training documents in --data-path {args.data_path}")
-    return train, valid
+    per_split = per_split_paths(args)
+    if per_split is None:
+        datasets = build(args.data_path, args.split, counts)
+    else:  # split k takes every document of its own prefixes
+        whole = ("1,0,0", "0,1,0", "0,0,1")
+        datasets = tuple(None if not paths else build(paths, whole[k], tuple(n if i == k else 0 for i, n in
+                                                                              enumerate(counts)))[k]
+                         for k, paths in enumerate(per_split))
+    if datasets[0] is None:
+        where = (f"--data-path {args.data_path} with --split {args.split!r}" if per_split is None
+                 else f"--train-data-path {per_split[0]}")
+        raise ValueError(f"no training documents in {where}")
+    return datasets
 
 
 @dataclass(frozen=True)

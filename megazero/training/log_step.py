@@ -61,9 +61,12 @@ class TrainerLogging:
         scalars.update(self.optimizer.comm_scalars())
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
 
-    def _log_validation(self, val: float | None) -> None:
+    def _log_validation(self, val: float | None, where: str = "", tensorboard: bool = True) -> None:
+        """Megatron's validation box; ``where``: `` on test set`` etc. at the end of training."""
         if self.rank == self.last_rank and val is not None:
-            print(validation_line(self.iteration, val), flush=True)
+            print(validation_line(self.iteration, val, where=where), flush=True)
+            if not tensorboard:
+                return
             scalars = {"lm loss validation": val}
             if self.args.log_validation_ppl_to_tensorboard:
                 scalars["lm loss validation ppl"] = math.exp(min(20.0, val))

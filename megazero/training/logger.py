@@ -101,9 +101,11 @@ class IntervalStats:
             self.loss_sum = self.loss_sum * 0.0
 
 
-def validation_line(iteration: int, loss: float, split: str = "validation") -> str:
+def validation_line(iteration: int, loss: float, split: str = "validation", where: str = "") -> str:
+    """Megatron's ``evaluate_and_print_results`` box; ``where`` (`` on test set``) follows the
+    iteration as in its end-of-training evaluations."""
     ppl = math.exp(min(20.0, loss))
-    text = f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    text = f" {split} loss at iteration {iteration}{where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     bar = "-" * (len(text) + 1)
     return f"{bar}\n{text}\n{bar}"
 

@@ -44,7 +44,7 @@ class Trainer(TrainerLogging):
         self.args, self.topo, self.device = args, topo, device
         self.model_config, self.stages, self.chunks = model_config, stages, stages.chunks
         self.optimizer, self.runner, self.forward_step = optimizer, runner, forward_step
-        self.train_ds, self.valid_ds = datasets
+        self.train_ds, self.valid_ds, self.test_ds = (*datasets, None, None)[:3]  # test: optional
         self.scheduler, self.tb = scheduler, tb
         self.rank, self.last_rank = dist.get_rank(), dist.get_world_size() - 1
         self.iteration, self.consumed_samples = 0, 0
@@ -98,14 +98,19 @@ class Trainer(TrainerLogging):
             total /= self.topo.dp
         return total.item()
 
-    def evaluate(self) -> float | None:
+    def evaluate(self, dataset=None, start: int | None = None) -> float | None:
+        """Mean loss over ``--eval-iters`` global batches of ``dataset`` (default: the validation
+        set) from sample ``start`` (default: after the earlier evaluations' samples, as
+        Megatron's ``consumed_valid_samples``); None on ranks without the loss or without data."""
         args = self.args
-        if self.valid_ds is None or args.eval_iters <= 0:
+        dataset = self.valid_ds if dataset is None else dataset
+        if dataset is None or args.eval_iters <= 0:
             return None
         for c in self.chunks:
             c.eval()
-        start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
-        it = self._micro_batches(self.valid_ds, start % len(self.valid_ds), cycle=True)
+        if start is None:
+            start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
+        it = self._micro_batches(dataset, start % len(dataset), cycle=True)
         totals = []
         with torch.no_grad():
             for _ in range(args.eval_iters):
@@ -199,7 +204,21 @@ class Trainer(TrainerLogging):
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
+        self.final_evaluation()
         self.finish_save()
+
+    def final_evaluation(self) -> None:
+        """Megatron's ``pretrain`` after a completed ``train``: the validation set (its next
+        ``--eval-iters`` batches) and the test set (from its first sample), printed as
+        ``validation loss at iteration N on validation set`` / ``... on test set``."""
+        args = self.args
+        if args.eval_iters <= 0:
+            return
+        done = self.iteration // args.eval_interval if args.eval_interval else 0
+        self._log_validation(self.evaluate(self.valid_ds, done * args.eval_iters * args.global_batch_size),
+                             where=" on validation set")
+        if self.test_ds is not None:
+            self._log_validation(self.evaluate(self.test_ds, 0), where=" on test set", tensorboard=False)
 
     def _loss_not_finite(self, loss) -> bool:
         """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
