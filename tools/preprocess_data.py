@@ -48,8 +48,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, optionally gzip-compressed (.gz)")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to extract from each JSON line (default: text)")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="count and skip lines that are not JSON or lack a key, instead of failing")
     g = p.add_argument_group("tokenizer")
@@ -61,25 +60,22 @@ def get_args(argv=None):
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
     g.add_argument("--append-eod", action="store_true", help="append eod to every document")
     g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True,
-                   help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    g.add_argument("--log-interval", type=int, default=1000,
-                   help="print progress every this many documents")
+    g.add_argument("--log-interval", type=int, default=1000, help="print progress every this many documents")
     return p.parse_args(argv)
 
 
 class BadLine(Exception):
-    pass
+    """One input line that cannot be used (reported as file:line)."""
 
 
 class LineEncoder:
     """Turns a batch of raw JSONL lines into token arrays; owns one tokenizer."""
 
     def __init__(self, args):
-        self.keys = list(args.json_keys)
-        self.append_eod = args.append_eod
+        self.keys, self.append_eod = list(args.json_keys), args.append_eod
         self.tokenizer = build_tokenizer(args)
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
 
@@ -232,11 +228,10 @@ def preprocess(args) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     tag = f".tmp-{os.getpid()}"
     temps = [(f + ".bin" + tag, f + ".idx" + tag) for f in finals]
-    builders = [IndexedDatasetBuilder(b, dtype) for b, _ in temps]
     docs = bad = nbytes = ntokens = 0
-    t0 = time.perf_counter()
-    ok = False
+    t0, ok, builders = time.perf_counter(), False, []
     try:
+        builders.extend(IndexedDatasetBuilder(b, dtype) for b, _ in temps)
         with contextlib.closing(_encoded_batches(args)) as batches:
             for batch in batches:
                 for lineno, size, error, arrays in batch:
@@ -246,8 +241,7 @@ def preprocess(args) -> dict:
                             raise SystemExit(f"error: {args.input}:{lineno}: {error}")
                         bad += 1
                         if bad <= 5:
-                            print(f"warning: skipping {args.input}:{lineno}: {error}",
-                                  file=sys.stderr)
+                            print(f"warning: skipping {args.input}:{lineno}: {error}", file=sys.stderr)
                         continue
                     for builder, arr in zip(builders, arrays):
                         if arr.size:
@@ -259,6 +253,9 @@ def preprocess(args) -> dict:
                         dt = time.perf_counter() - t0
                         print(f"Processed {docs} documents ({docs / dt:.1f} docs/s, "
                               f"{nbytes / dt / 1e6:.2f} MB/s).", file=sys.stderr, flush=True)
+        if docs == 0:
+            raise SystemExit(f"error: {args.input}: no documents ({bad} bad lines skipped, the rest "
+                             "blank): nothing to train on")
         for builder, (_, idx_tmp) in zip(builders, temps):
             builder.finalize(idx_tmp)
         for final, (bin_tmp, idx_tmp) in zip(finals, temps):
@@ -268,14 +265,12 @@ def preprocess(args) -> dict:
     finally:
         if not ok:
             for builder in builders:
-                builder.close()
-            for pair in temps:
-                for path in pair:
-                    if os.path.exists(path):
-                        os.remove(path)
-    dt = time.perf_counter() - t0
+                with contextlib.suppress(OSError):  # a full disk fails the final flush too
+                    builder.close()
+            for path in [p for pair in temps for p in pair if os.path.exists(p)]:
+                os.remove(path)
     return {"documents": docs, "skipped": bad, "bytes": nbytes, "tokens": ntokens,
-            "seconds": dt, "outputs": finals, "dtype": np.dtype(dtype).name}
+            "seconds": time.perf_counter() - t0, "outputs": finals, "dtype": np.dtype(dtype).name}
 
 
 def main(argv=None) -> int:
@@ -287,6 +282,9 @@ def main(argv=None) -> int:
         s = preprocess(args)
     except SystemExit as e:
         print(e.code, file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a read-only folder: one line, nothing left behind
+        print(f"error: {e.filename or args.output_prefix}: {e.strerror or e}", file=sys.stderr)
         return 1
     rate = s["bytes"] / max(s["seconds"], 1e-9) / 1e6
     print(f"Done: {s['documents']} documents, {s['tokens']} tokens ({s['dtype']}), "

@@ -27,13 +27,13 @@ greedy "largest error" rule, which keeps every prefix within one sample of the w
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Callable, Sequence
 
 import numpy as np
 
-from megazero.data.indexed_dataset import IndexedDataset
+from megazero.data.data_checks import SCAN_TOKENS, cached_arrays, can_hold_bad_ids, check_ids
+from megazero.data.indexed_dataset import DataError, IndexedDataset
 
 __all__ = ["GPTDataset", "BlendedDataset", "build_train_valid_test_datasets",
            "parse_data_path", "parse_split", "split_ranges", "build_doc_index",
@@ -141,42 +141,14 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     return which, nth
 
 
-def _cached(cache_dir: str, name: str, key: dict, build: Callable[[], dict],
-            is_builder: bool, barrier: Callable[[], None] | None) -> dict:
-    """Load arrays ``name-<hash>-<field>.npy`` from cache_dir, building them if missing.
-
-    The builder writes each file under a temporary name then renames it, plus a ``.json`` with
-    the key for humans. Every rank calls ``barrier`` once (if given) before loading.
-    """
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    base = os.path.join(cache_dir, f"{name}-{digest}")
-    fields = key["fields"]
-    paths = {f: f"{base}-{f}.npy" for f in fields}
-    if is_builder and not all(os.path.isfile(p) for p in paths.values()):
-        os.makedirs(cache_dir, exist_ok=True)
-        arrays = build()
-        for f, p in paths.items():
-            tmp = f"{p}.tmp-{os.getpid()}.npy"
-            np.save(tmp, arrays[f])
-            os.replace(tmp, p)
-        with open(base + ".json", "w") as fh:
-            json.dump(key, fh, indent=1)
-    if barrier is not None:
-        barrier()
-    missing = [p for p in paths.values() if not os.path.isfile(p)]
-    if missing:
-        raise FileNotFoundError(f"index cache {missing[0]} is missing (no rank built it: "
-                                "pass is_builder=True on one rank and a barrier)")
-    return {f: np.load(p, mmap_mode="r") for f, p in paths.items()}
-
-
 class GPTDataset:
     """``num_samples`` samples of ``seq_length + 1`` tokens from one split of one dataset."""
 
     def __init__(self, indexed: IndexedDataset, name: str, doc_range: tuple[int, int],
                  seq_length: int, num_samples: int, seed: int, cache_dir: str,
-                 is_builder: bool = True, barrier: Callable[[], None] | None = None):
+                 is_builder: bool = True, barrier: Callable[[], None] | None = None, vocab_size: int | None = None):
         self.indexed, self.name, self.seq_length = indexed, name, int(seq_length)
+        self.vocab_size = vocab_size  # ids checked per sample, and when built for splits up to SCAN_TOKENS
         self.num_samples = int(num_samples)
         docs = indexed.document_indices
         s0, s1 = int(docs[doc_range[0]]), int(docs[doc_range[1]])
@@ -186,6 +158,9 @@ class GPTDataset:
         if self.tokens_per_epoch <= 1 or self.num_samples <= 0:
             raise ValueError(f"{name}: split has {self.tokens_per_epoch} tokens for "
                              f"{self.num_samples} samples")
+        if vocab_size is not None and can_hold_bad_ids(indexed, vocab_size) and self.tokens_per_epoch <= SCAN_TOKENS:
+            check_ids(indexed.tokens_of(s0, s1), vocab_size, indexed, int(indexed.sequence_pointers[s0])
+                      // indexed.dtype.itemsize if s1 > s0 else 0)
         S, N, T = self.seq_length, self.num_samples, self.tokens_per_epoch
         self.num_epochs = -(-(N * S + 1) // T)
         key = {"version": INDEX_VERSION, "fields": ["doc", "sample", "shuffle"],
@@ -199,7 +174,7 @@ class GPTDataset:
                     "shuffle": build_shuffle_index(N, S, T, seed)}
 
         stem = f"{os.path.basename(indexed.path_prefix)}-{name}"
-        arrays = _cached(cache_dir, stem, key, build, is_builder, barrier)
+        arrays = cached_arrays(cache_dir, stem, key, build, is_builder, barrier)
         self.doc_index, self.sample_index = arrays["doc"], arrays["sample"]
         self.shuffle_index = arrays["shuffle"]
 
@@ -210,15 +185,18 @@ class GPTDataset:
         """Sample j in stream order (before the shuffle index): S+1 int64 tokens."""
         pos, offset = (int(x) for x in self.sample_index[j])
         need = self.seq_length + 1
-        parts = []
+        parts, seqs = [], []
         while need > 0:
             seq = int(self.doc_index[pos])
             take = min(need, int(self.lengths[seq]) - offset)
             if take > 0:
                 parts.append(self.indexed.get(seq, offset, take))
+                seqs.append((seq, take))
                 need -= take
             pos, offset = pos + 1, 0
-        return np.concatenate(parts).astype(np.int64)
+        tokens = np.concatenate(parts).astype(np.int64)
+        check_ids(tokens, self.vocab_size, self.indexed, sequences=seqs)
+        return tokens
 
     def __getitem__(self, i: int) -> dict:
         if not -self.num_samples <= i < self.num_samples:
@@ -245,7 +223,7 @@ class BlendedDataset:
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int,
                                     seed: int, train_valid_test_num_samples: tuple[int, int, int],
                                     cache_dir: str | None = None, is_builder: bool = True,
-                                    barrier: Callable[[], None] | None = None):
+                                    barrier: Callable[[], None] | None = None, vocab_size: int | None = None):
     """(train, valid, test) datasets, None where a split is empty or asks for 0 samples.
 
     ``data_path`` is Megatron's ``--data-path`` list; ``cache_dir`` defaults to
@@ -257,6 +235,10 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     if cache_dir is None:
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index-cache")
     indexed = [IndexedDataset(p) for p in prefixes]
+    for ds in indexed:
+        if ds.num_tokens <= 1:
+            raise DataError(f"{ds.path_prefix}.bin/.idx: the dataset is empty ({ds.num_documents} documents, "
+                            f"{ds.num_tokens} tokens)")
     names = ["train", "valid", "test"]
     out = []
     for k, (split_name, n) in enumerate(zip(names, train_valid_test_num_samples)):
@@ -274,17 +256,17 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         if len(parts) == 1:
             ds, rng, _ = parts[0]
             out.append(GPTDataset(ds, split_name, rng, seq_length, n, seed, cache_dir,
-                                  is_builder, barrier))
+                                  is_builder, barrier, vocab_size))
             continue
         total = sum(p[2] for p in parts)
         ws = [p[2] / total for p in parts]
         key = {"version": INDEX_VERSION, "fields": ["which", "nth"], "weights": ws, "size": n,
                "parts": [[os.path.abspath(p[0].path_prefix), list(p[1])] for p in parts]}
-        idx = _cached(cache_dir, f"blend-{split_name}", key,
+        idx = cached_arrays(cache_dir, f"blend-{split_name}", key,
                       lambda: dict(zip(["which", "nth"], build_blending_indices(ws, n))),
                       is_builder, barrier)
         counts = np.bincount(np.asarray(idx["which"]), minlength=len(parts))
         subs = [GPTDataset(ds, split_name, rng, seq_length, max(int(c), 1), seed, cache_dir,
-                           is_builder, barrier) for (ds, rng, _), c in zip(parts, counts)]
+                           is_builder, barrier, vocab_size) for (ds, rng, _), c in zip(parts, counts)]
         out.append(BlendedDataset(subs, ws, idx["which"], idx["nth"]))
     return tuple(out)

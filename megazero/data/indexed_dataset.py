@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError", "DTYPES",
+__all__ = ["IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError", "DataError", "DTYPES",
            "dtype_code", "optimal_dtype", "write_index", "data_file_path", "index_file_path"]
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -36,7 +36,11 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
           6: np.float64, 7: np.float32, 8: np.uint16}
 
 
-class IndexedDatasetError(ValueError):
+class DataError(ValueError):
+    """A training-data problem the user must fix: the message names the file and the cause."""
+
+
+class IndexedDatasetError(DataError):
     """A ``.bin``/``.idx`` pair is missing, truncated or not in the expected format."""
 
 
@@ -186,18 +190,41 @@ class IndexedDataset:
         if len(self.sequence_lengths):
             last = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize
             if last != need or self.sequence_pointers[0] != 0:
+                fits = [k for k in (1, 2, 4, 8) if int(self.sequence_pointers[-1]) + int(
+                    self.sequence_lengths[-1]) * k == self.num_tokens * k]
+                hint = (f" (they fit {fits[0]}-byte tokens, not {itemsize}-byte {self.dtype}: a changed dtype code?)"
+                        if fits else "")
                 raise IndexedDatasetError(f"{index_file_path(self.path_prefix)}: sequence "
-                                          "pointers disagree with sequence lengths")
+                                          f"pointers disagree with sequence lengths{hint}")
         size = os.path.getsize(path)
         if size != need:
             what = "truncated" if size < need else "has trailing bytes"
+            other = [np.dtype(t).name for t in DTYPES.values() if self.num_tokens * np.dtype(t).itemsize == size]
+            hint = f" (the .bin holds exactly that many {other[0]} tokens: was the .idx written for another dtype?)" \
+                if other and size else ""
             raise IndexedDatasetError(f"{path}: {what}: {size} bytes, but the index describes "
-                                      f"{self.num_tokens} tokens of {self.dtype} = {need} bytes")
+                                      f"{self.num_tokens} tokens of {self.dtype} = {need} bytes{hint}")
         self._tokens = (np.memmap(path, mode="r", dtype=self.dtype.newbyteorder("<"))
                         if size else np.zeros(0, self.dtype))
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
+
+    def tokens_of(self, first: int, last: int) -> np.ndarray:
+        """The tokens of sequences ``[first, last)`` as one memory-mapped view (nothing read yet)."""
+        if last <= first:
+            return self._tokens[:0]
+        a = int(self.sequence_pointers[first]) // self.dtype.itemsize
+        b = int(self.sequence_pointers[last - 1]) // self.dtype.itemsize + int(self.sequence_lengths[last - 1])
+        return self._tokens[a:b]
+
+    def sequence_at(self, token: int) -> int:
+        """The sequence holding flat token position ``token``."""
+        return int(np.searchsorted(self.sequence_pointers // self.dtype.itemsize, token, side="right")) - 1
+
+    def document_of(self, sequence: int) -> int:
+        """The document holding sequence ``sequence`` (from ``document_indices``)."""
+        return int(np.searchsorted(self.document_indices, sequence, side="right")) - 1
 
     @property
     def num_documents(self) -> int:

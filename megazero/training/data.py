@@ -89,7 +89,7 @@ def build_datasets(args, vocab_size: int):
     rank = dist.get_rank() if dist.is_initialized() else 0
     build = lambda paths, split, sizes: build_train_valid_test_datasets(  # noqa: E731
         paths, split, args.seq_length, args.seed, sizes, cache_dir=args.data_cache_path, is_builder=rank == 0,
-        barrier=dist.barrier if dist.is_initialized() else None)
+        barrier=dist.barrier if dist.is_initialized() else None, vocab_size=vocab_size)  # ids checked
     per_split = per_split_paths(args)
     if per_split is None:
         datasets = build(args.data_path, args.split, counts)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointError, schema
 from megazero.checkpoint.api import load_run, start_save
+from megazero.data.indexed_dataset import DataError
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.build import setup
@@ -289,6 +290,9 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
         trainer.tb.close()
     except CheckpointError as e:
         print(f"rank {rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except DataError as e:  # a corrupt/missing/empty dataset, an id outside the vocabulary: one line
+        print(f"rank {rank}: data error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception:
         print(f"rank {rank}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
