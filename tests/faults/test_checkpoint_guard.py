@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,21 @@ def test_pretrain_refuses_before_any_work(tmp_path):
     assert out.returncode == 1 and "--overwrite-checkpoints" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "iteration" not in out.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+
+
+def test_second_concurrent_run_on_one_folder_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    base = [sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, *MOCK, "--save", str(ck)]
+    first = subprocess.Popen(base + ["--train-iters", "100000", "--log-interval", "100000"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not (ck / LOCK_NAME).exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert (ck / LOCK_NAME).exists()
+        second = subprocess.run(base + ["--train-iters", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert second.returncode == 1 and f"another run (process {first.pid}" in second.stderr, second.stderr[-2000:]
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.kill()
+        first.wait()
