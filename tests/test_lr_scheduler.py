@@ -138,3 +138,16 @@ def test_override_and_use_checkpoint_scheduler():
     taken = build_lr_scheduler(megatron_args(lr=2.0, use_checkpoint_opt_param_scheduler=True))
     taken.load_state_dict(state)
     assert taken.lr == 1.0 and taken.get_lr() == saved.get_lr()
+
+
+def test_a_state_counted_in_iterations_loads_as_samples():
+    """Checkpoints saved before the schedule counted samples hold iterations (no "unit")."""
+    old = {"num_steps": 3, "init_lr": 0.0, "lr": 1.0, "min_lr": 0.1, "warmup_iters": 2, "decay_iters": 10,
+           "decay_style": "cosine"}
+    s = LRScheduler(1.0, min_lr=0.1, warmup_iters=16, decay_iters=80, decay_style="cosine", samples_per_step=8)
+    s.load_state_dict(old)
+    assert s.num_steps == 24 and s.state_dict()["unit"] == "samples"
+    fresh = LRScheduler(1.0, min_lr=0.1, warmup_iters=16, decay_iters=80, decay_style="cosine", samples_per_step=8)
+    for _ in range(3):
+        fresh.step(8)
+    assert s.get_lr() == fresh.get_lr()

@@ -44,7 +44,7 @@ class LRScheduler:
 
     def __init__(self, lr: float, min_lr: float = 0.0, warmup_iters: float = 0, decay_iters: float | None = None,
                  decay_style: str = "linear", *, init_lr: float = 0.0, override: bool = False,
-                 use_checkpoint: bool = False):
+                 use_checkpoint: bool = False, samples_per_step: int = 1):
         if decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"unknown --lr-decay-style {decay_style!r}")
         if decay_iters is not None and decay_iters < warmup_iters:
@@ -52,6 +52,7 @@ class LRScheduler:
         self.lr, self.min_lr, self.init_lr = float(lr), float(min_lr), float(init_lr)
         self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
         self.override, self.use_checkpoint = override, use_checkpoint
+        self.samples_per_step = samples_per_step  # converts a state counted in iterations (see load)
         self.num_steps = 0
 
     def get_lr(self, n: float | None = None) -> float:
@@ -74,11 +75,18 @@ class LRScheduler:
         return self.get_lr()
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "init_lr": self.init_lr, **{k: getattr(self, k) for k in self.SETTINGS}}
+        return {"num_steps": self.num_steps, "init_lr": self.init_lr, "unit": "samples",
+                **{k: getattr(self, k) for k in self.SETTINGS}}
 
     def load_state_dict(self, state: dict, override: bool = False) -> None:
         """Restore ``num_steps``; the settings: the flags' (``override``), the checkpoint's
-        (``use_checkpoint``), or else they must be equal."""
+        (``use_checkpoint``), or else they must be equal. A state without ``unit`` was saved by
+        megazero before the schedule counted samples: its step, warm-up and decay counts are
+        iterations, converted at this run's constant ``samples_per_step`` (the global batch)."""
+        if "unit" not in state:
+            b = self.samples_per_step
+            state = dict(state, num_steps=state["num_steps"] * b, warmup_iters=state["warmup_iters"] * b,
+                         decay_iters=None if state["decay_iters"] is None else state["decay_iters"] * b)
         for key in self.SETTINGS:
             if override or self.override:
                 continue
@@ -195,4 +203,5 @@ def build_lr_scheduler(args):
         warmup = args.lr_warmup_fraction * decay
     return LRScheduler(args.lr, args.min_lr, warmup, decay, args.lr_decay_style, init_lr=args.lr_warmup_init,
                        override=args.override_opt_param_scheduler,
-                       use_checkpoint=args.use_checkpoint_opt_param_scheduler)
+                       use_checkpoint=args.use_checkpoint_opt_param_scheduler,
+                       samples_per_step=args.global_batch_size)

@@ -52,7 +52,11 @@ def test_format1_fixture_loads_exact_and_resharded(tmp_path):
         assert all(torch.equal(old["model"][0][k], new["model"][0][k]) for k in new["model"][0])
         for a, b in zip(old["optimizer"]["shards"], new["optimizer"]["shards"]):
             assert all(torch.equal(a[k], b[k]) for k in a)
-        assert old["scheduler"] == new["scheduler"] and old["counters"] == new["counters"]
+        assert old["counters"] == new["counters"]
+        # the format-1 schedule counted iterations; it is re-saved in samples (global batch 8)
+        b, sched = 8, old["scheduler"]
+        assert new["scheduler"] == dict(sched, unit="samples", init_lr=0.0, num_steps=sched["num_steps"] * b,
+                                        warmup_iters=sched["warmup_iters"] * b, decay_iters=sched["decay_iters"] * b)
 
     flags = _layout(FLAGS, 1, 2, 3)
     path = run(2, flags + ["--load", str(src)], save_at_load=str(tmp_path / "other"), train=False)
