@@ -104,13 +104,13 @@ class LineEncoder:
             except BadLine as e:
                 parsed.append((lineno, len(line), str(e), None))
         good = [texts for _, _, err, texts in parsed if err is None]
-        per_key = []
-        for k in range(len(self.keys)):
-            column = [texts[k] for texts in good]
-            if hasattr(self.tokenizer, "tokenize_batch"):
-                per_key.append(self.tokenizer.tokenize_batch(column))
-            else:
-                per_key.append([self.tokenizer.tokenize(t) for t in column])
+        many = getattr(self.tokenizer, "tokenize_batch", lambda c: [self.tokenizer.tokenize(t) for t in c])
+        try:
+            per_key = [many([texts[k] for texts in good]) for k in range(len(self.keys))]
+        except (ValueError, TypeError, KeyError, OverflowError) as e:  # e.g. NullTokenizer: not an integer
+            if len(batch) > 1:  # find the line: encode one by one
+                return [r for item in batch for r in self.encode([item])]
+            return [(batch[0][0], len(batch[0][1]), f"cannot be tokenized ({type(e).__name__}: {e})", None)]
         g = 0
         for lineno, nbytes, err, _ in parsed:
             if err is not None:

@@ -123,3 +123,15 @@ def test_pretrain_data_error_is_one_line(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "data error: " in out.stderr and "missing.idx: no such file" in out.stderr
+
+
+def test_preprocess_untokenizable_line_named_and_skippable(tmp_path):
+    text = '{"text": "1 2 3"}\n{"text": "4 x 5"}\n{"text": "6"}\n'
+    r = _preprocess(tmp_path, text)
+    assert r.returncode == 1 and "in.jsonl:2: cannot be tokenized" in r.stderr and "Traceback" not in r.stderr
+    inp = str(tmp_path / "in.jsonl")
+    cmd = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", inp, "--output-prefix",
+           str(tmp_path / "out" / "c"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--skip-bad-lines"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "1 bad lines skipped" in r.stderr
+    assert IndexedDataset(str(tmp_path / "out" / "c_text_document")).num_documents == 2
