@@ -191,7 +191,7 @@ def test_hf_auto_config_resolves_from_flags(tmp_path, capsys):
 def test_seed_stage3_config_defaults(tmp_path, capsys):
     with pytest.warns(UserWarning, match="no effect: zero_optimization.contiguous_gradients, "
                                          "zero_optimization.sub_group_size"):
-        a = parse(tmp_path, SEED, ["--micro-batch-size", "2", "--lr", "1e-3", "--fp16"])
+        a = parse(tmp_path, SEED, ["--micro-batch-size", "2", "--lr", "1e-3", "--fp16", "--train-iters", "10"])
     assert a.zero_stage == 3 and a.zero_overlap_comm and a.zero_reduce_bucket_size == 1
     assert (a.zero_prefetch_bucket_size, a.zero_param_persistence_threshold) == (1, 1)
     assert a.zero_max_live_parameters == 10 ** 9 and isinstance(a.zero_max_live_parameters, int)
