@@ -44,9 +44,12 @@ INDEX_VERSION = 1
 
 def parse_split(split: str) -> list[float]:
     """'969,30,1' (or '969/30/1') -> three fractions summing to 1."""
-    parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        parts = []
     if not parts or len(parts) > 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative weights")
+        raise DataError(f"--split {split!r}: expected up to three non-negative weights such as 969,30,1")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]

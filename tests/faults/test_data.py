@@ -135,3 +135,9 @@ def test_preprocess_untokenizable_line_named_and_skippable(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0 and "1 bad lines skipped" in r.stderr
     assert IndexedDataset(str(tmp_path / "out" / "c_text_document")).num_documents == 2
+
+
+def test_bad_split_named():
+    from megazero.data.gpt_dataset import parse_split
+    with pytest.raises(DataError, match="--split 'abc': expected up to three"):
+        parse_split("abc")
