@@ -2,8 +2,8 @@
 index-cache files they guard.
 
 * Token ids must lie in ``[0, vocab_size)``: checked per sample when it is read (a vectorized
-  max/min over its S+1 tokens, ~1-2 microseconds at S = 4096, against ~10-50 for reading the
-  sample) and, when a split is built, over the whole split if it has at most :data:`SCAN_TOKENS`
+  max over its S+1 tokens viewed as unsigned, 5-15 microseconds at S = 4096, within the noise of
+  reading the sample) and, when a split is built, over the whole split if it has at most :data:`SCAN_TOKENS`
   tokens and its dtype can hold an id outside the vocabulary. The error names the dataset prefix,
   the document, the sequence and the id.
 * Index caches (``.npy``): a cache folder that is a file, or a cache file that cannot be read
@@ -27,10 +27,11 @@ def check_ids(tokens: np.ndarray, vocab_size: int | None, indexed: IndexedDatase
               sequences=None) -> None:
     """Raise :class:`DataError` naming the dataset, document and id if any id is outside
     ``[0, vocab_size)``; ``tokens`` start at flat position ``first_token`` of ``indexed`` (or, for a
-    sample, come from ``sequences`` = [(sequence, its token count)] in order). A vectorized max/min."""
+    sample, come from ``sequences`` = [(sequence, its token count)] in order). One vectorized max."""
     if vocab_size is None or tokens.size == 0:
         return
-    if int(tokens.max()) < vocab_size and int(tokens.min()) >= 0:
+    unsigned = tokens.view(np.dtype(f"u{tokens.dtype.itemsize}")) if tokens.dtype.kind == "i" else tokens
+    if int(unsigned.max()) < vocab_size:  # one pass: a negative id reads as a huge unsigned one
         return
     pos = int(np.flatnonzero((tokens >= vocab_size) | (tokens < 0))[0])
     if sequences is None:
