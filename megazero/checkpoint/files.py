@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.guard import space_hint
 from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
                                         rank_file)
 
@@ -79,7 +80,7 @@ class PendingSave:
             os.replace(path + ".partial", path)
             self.bytes_written = os.path.getsize(path)
         except BaseException as e:  # reported by finish(), on every rank
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = f"{type(e).__name__}: {e}{space_hint(self.tmp)}"
         finally:
             self.state = None  # the host copies go as soon as they are written
 
@@ -97,6 +98,8 @@ class PendingSave:
             dist.all_gather_object(errors, self.error)
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         if failed:
+            if self.rank == 0:  # free the space of the partial files (a full disk) at once
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise CheckpointError(f"saving {self.final} failed ({'; '.join(failed)}); "
                                   f"{latest_file(self.root)} still names the previous checkpoint")
         if self.rank == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import glob
 import os
+import shutil
 import socket
 import threading
 import time
@@ -41,6 +42,19 @@ def check_writable(save: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {save} is not writable ({e.strerror or e}): nothing would be saved") from None
+
+
+def space_hint(path: str, min_free: int = 64 << 20) -> str:
+    """`` (no space left on device: N MiB free on PATH)`` when the file system of ``path`` (or its
+    nearest existing parent) has under ``min_free`` bytes free, else ``""``: the words a failed
+    write's own message (``basic_ios::clear: iostream error``) leaves out."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path or ".").free
+    except OSError:
+        return ""
+    return f" (no space left on device: {free >> 20} MiB free on {path})" if free < min_free else ""
 
 
 def holds_checkpoint(save: str) -> bool:

@@ -116,3 +116,10 @@ def test_second_concurrent_run_on_one_folder_is_refused(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_failed_save_says_when_the_disk_is_full(tmp_path):
+    from megazero.checkpoint.guard import space_hint
+    assert space_hint(str(tmp_path / "ck" / "iter_0000001.tmp")) == ""  # plenty free here
+    hint = space_hint(str(tmp_path / "ck" / "iter_0000001.tmp"), min_free=1 << 62)
+    assert hint.startswith(" (no space left on device: ") and str(tmp_path) in hint
