@@ -247,6 +247,8 @@ def _validate_features(err, args) -> None:
             "data source (Megatron-LM: one of --mock-data, --data-path, the per-split paths)")
     if per_split and not args.train_data_path:
         err(f"{', '.join(per_split)} without --train-data-path: training needs a train split")
+    if args.decoupled_lr is not None and args.deepspeed_scheduler:
+        err("--decoupled-lr with a --deepspeed-config scheduler block is not available: drop one of them")
     if args.eod_mask_loss and args.calculate_per_token_loss:
         err("--calculate-per-token-loss with --eod-mask-loss is not available: megazero averages the loss per "
             "micro-batch (Megatron without --calculate-per-token-loss); drop --calculate-per-token-loss")

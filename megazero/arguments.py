@@ -143,6 +143,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("learning rate")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None, help="peak LR of the embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their floor (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")

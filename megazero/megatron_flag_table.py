@@ -369,8 +369,8 @@ TABLE = """\
 --lr	lr	1	None	1	as in Megatron-LM
 --warmup	warmup	1	None	3	this model variant is not available in megazero's GPT (docs/model.md)
 --min-lr	min_lr	1	0.0	1	as in Megatron-LM
---decoupled-lr	decoupled_lr	1	None	3	a separate LR for the embedding and output layer is not available (the ZeRO optimizer applies one LR schedule to every parameter): drop it, and Megatron's --lr applies to them too
---decoupled-min-lr	decoupled_min_lr	1	None	3	a separate LR for the embedding and output layer is not available (the ZeRO optimizer applies one LR schedule to every parameter): drop it, and Megatron's --lr applies to them too
+--decoupled-lr	decoupled_lr	1	None	1	the word embedding and output layer's peak LR, on the same warm-up and decay
+--decoupled-min-lr	decoupled_min_lr	1	None	1	their LR floor (default --min-lr)
 --freeze-all-layers	freeze_all_layers	0	False	3	not available in megazero: drop it to train what Megatron trains by default
 --save	save	1	None	1	as in Megatron-LM
 --save-interval,--persistent-save-interval	save_interval	1	None	1	as in Megatron-LM

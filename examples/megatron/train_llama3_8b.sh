@@ -2,8 +2,7 @@
 # Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0), flag for flag, with the
 # sizes shrunk to a CPU run, its MOCK data branch, and DTYPE bf16 instead of fp8 (fp8 needs a GPU):
 #   bash examples/megatron/train_llama3_8b.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH [TRAIN_SAMPLES]
-# megazero refuses two of its flags (--decoupled-lr, --decoupled-min-lr: docs/megatron.md);
-# DROP_UNAVAILABLE=1 leaves them out and trains what Megatron would train without them.
+# Every flag is accepted (docs/megatron.md: honoured, or named once as having no effect here).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
@@ -108,16 +107,6 @@ EVAL_AND_LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 ALL=(${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS_LIST[@]} ${EVAL_AND_LOGGING_ARGS[@]})
-if [[ "${DROP_UNAVAILABLE:-0}" == "1" ]]; then
-    KEEP=()
-    for ((i = 0; i < ${#ALL[@]}; i++)); do
-        case "${ALL[$i]}" in
-            --decoupled-lr|--decoupled-min-lr) i=$((i + 1)) ;;
-            *) KEEP+=("${ALL[$i]}") ;;
-        esac
-    done
-    ALL=("${KEEP[@]}")
-fi
 
 cd "$ROOT"
 "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py "${ALL[@]}"

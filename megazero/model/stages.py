@@ -114,6 +114,21 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
                        param_init=param_initializer(chunks) if meta else None)
 
 
+def embedding_and_output_params(chunks) -> list:
+    """Megatron's ``is_embedding_or_output_parameter`` (``--decoupled-lr``): the word embedding of
+    a chunk with the first stage, the output layer's own weight on the last (untied, or the
+    tied copy of a multi-stage model); not the position embeddings."""
+    out = []
+    for chunk in chunks:
+        embedding = getattr(chunk, "embedding", None)
+        if getattr(chunk, "pre_process", False) and embedding is not None:
+            out.append(embedding.word_embeddings.weight)
+        head = getattr(chunk, "output_layer", None)
+        if getattr(chunk, "post_process", False) and head is not None and head.weight is not None:
+            out.append(head.weight)
+    return out
+
+
 def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     """The GPT's forward step (``forward_step`` of :class:`~megazero.pipeline.PipelineRunner`):
     hidden states for the next stage, or on the last stage the micro-batch's mean loss over its

@@ -11,6 +11,7 @@ from datetime import datetime
 import torch
 
 from megazero.training.logger import iteration_line, validation_line
+from megazero.training.lr_schedule import learning_rates
 
 
 class TrainerLogging:
@@ -29,6 +30,7 @@ class TrainerLogging:
             print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
                                  consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
                                  tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
+                                 decoupled_lr=learning_rates(self.scheduler, args)[1],
                                  global_batch_size=args.global_batch_size, losses=losses,
                                  loss_scale=float(self.optimizer.loss_scale), grad_norm=grad_norm,
                                  skipped=stats.skipped, nans=stats.nans,
@@ -51,7 +53,7 @@ class TrainerLogging:
         if self.rank != self.last_rank:
             return
         scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
-                   "grad-norm": grad_norm}
+                   "grad-norm": grad_norm, "decoupled-learning-rate": learning_rates(self.scheduler, args)[1]}
         if args.log_loss_scale_to_tensorboard:
             scalars["loss-scale"] = float(self.optimizer.loss_scale)
         if args.log_world_size_to_tensorboard:

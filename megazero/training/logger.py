@@ -37,7 +37,8 @@ def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, iteration_ms: float,
                    tflops_per_gpu: float | None, lr: float | None, global_batch_size: int, losses: dict[str, float],
                    loss_scale: float, grad_norm: float | None, skipped: int, nans: int,
-                   timestamp: str | None = None, params_norm: float | None = None) -> str:
+                   timestamp: str | None = None, params_norm: float | None = None,
+                   decoupled_lr: float | None = None) -> str:
     """Megatron's per-iteration log line (core_v0.15.0 ``training_log``): ``timestamp`` as
     `` [%Y-%m-%d %H:%M:%S]`` first; throughput only with ``--log-throughput``
     (``tflops_per_gpu`` not None); ``losses`` may be empty (no successful step yet)."""
@@ -49,6 +50,8 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, i
         parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |")
     if lr is not None:
         parts.append(f" learning rate: {lr:.6E} |")
+    if decoupled_lr is not None:
+        parts.append(f" decoupled learning rate: {decoupled_lr:.6E} |")
     parts.append(f" global batch size: {global_batch_size:5d} |")
     parts += [f" {name}: {value:.6E} |" for name, value in losses.items()]
     parts.append(f" loss scale: {loss_scale:.1f} |")

@@ -28,7 +28,7 @@ from megazero.training.build import setup
 from megazero.training.data import DocumentMasks, micro_batch_iterator
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats, model_flops_per_iteration
-from megazero.training.lr_schedule import LRScheduler
+from megazero.training.lr_schedule import LRScheduler, learning_rates
 from megazero.training.signals import ExitSignal
 
 
@@ -57,6 +57,9 @@ class Trainer(TrainerLogging):
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.doc_masks = DocumentMasks.from_args(args, model_config.vocab_size)  # eod switches, or None
+        if args.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR
+            from megazero.model.stages import embedding_and_output_params
+            optimizer.set_decoupled_params(embedding_and_output_params(stages.chunks))
 
     def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
         return micro_batch_iterator(dataset, consumed_samples, seq_length=self.args.seq_length,
@@ -78,7 +81,7 @@ class Trainer(TrainerLogging):
         if trace is not None:
             write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: _print_rank(self.rank, 0, s))
         self.optimizer.finish_grad_sync()
-        ok, grad_norm = self.optimizer.step(self.scheduler.get_lr())
+        ok, grad_norm = self.optimizer.step(*learning_rates(self.scheduler, args))
         return losses, ok, grad_norm
 
     def _local_loss(self, losses) -> torch.Tensor | None:

@@ -55,18 +55,23 @@ class LRScheduler:
         self.samples_per_step = samples_per_step  # converts a state counted in iterations (see load)
         self.num_steps = 0
 
-    def get_lr(self, n: float | None = None) -> float:
+    def get_lr(self, n: float | None = None, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The rate after ``n`` samples (default: the steps taken). ``max_lr``/``min_lr``: another
+        peak and floor on the same warm-up and decay (Megatron's param-group ``max_lr``/``min_lr``,
+        how ``--decoupled-lr``/``--decoupled-min-lr`` reach the embedding and output layer)."""
         n = self.num_steps if n is None else n
+        peak = self.lr if max_lr is None else float(max_lr)
+        floor = self.min_lr if min_lr is None else float(min_lr)
         if self.warmup_iters > 0 and n <= self.warmup_iters:
-            return self.init_lr + (self.lr - self.init_lr) * n / self.warmup_iters
+            return self.init_lr + (peak - self.init_lr) * n / self.warmup_iters
         if self.decay_style == "constant":
-            return self.lr
+            return peak
         if self.decay_iters is None or n > self.decay_iters:
-            return self.min_lr if self.decay_iters is not None else self.lr
+            return floor if self.decay_iters is not None else peak
         span = self.decay_iters - self.warmup_iters
         ratio = (n - self.warmup_iters) / span if span > 0 else 1.0
         coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.lr - self.min_lr)
+        return floor + coeff * (peak - floor)
 
     def step(self, increment: int = 1) -> float:
         """Advance by ``increment`` (Megatron: the applied step's global batch size); return the
@@ -182,6 +187,15 @@ class DeepSpeedLRScheduler:
                     raise ValueError(f"LR schedule changed since the checkpoint: {key} was {state.get(key)!r}, "
                                      f"now {getattr(self, key)!r}")
         self.num_steps = int(state["num_steps"])
+
+
+def learning_rates(scheduler, args) -> tuple[float, float | None]:
+    """(lr, decoupled lr) the next step uses: the second is None without ``--decoupled-lr``, else
+    the same schedule with peak ``--decoupled-lr`` and floor ``--decoupled-min-lr`` (default
+    ``--min-lr``), as Megatron's param group ``max_lr``/``min_lr`` overrides."""
+    if getattr(args, "decoupled_lr", None) is None or not isinstance(scheduler, LRScheduler):
+        return scheduler.get_lr(), None
+    return scheduler.get_lr(), scheduler.get_lr(max_lr=args.decoupled_lr, min_lr=args.decoupled_min_lr)
 
 
 def build_lr_scheduler(args):

@@ -33,7 +33,7 @@ from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
 from .region import Region
-from .regions import RegionContext, build_regions, buckets, cast_params, trainable_params
+from .regions import RegionContext, build_regions, buckets, cast_params, split_shard_ranges, trainable_params
 from .stage3 import ParamGatherer
 from .state import ShardState
 
@@ -110,6 +110,7 @@ class ZeroOptimizer(ShardState):
         self.skipped_iterations = 0
         self.nan_iterations = 0
         self.last_comm: dict = {}
+        self._lr_ranges = None  # set_decoupled_params: per region, (other, decoupled) shard ranges
 
     def _register_hooks(self, chunks) -> list:
         """Gradient hooks on every parameter, and the re-read of the masters after a chunk's
@@ -167,9 +168,17 @@ class ZeroOptimizer(ShardState):
         self._synced = True
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self, lr: float | None = None):
+    def set_decoupled_params(self, params) -> None:
+        """Parameters that take ``step``'s ``decoupled_lr`` (Megatron's ``--decoupled-lr``: the
+        embedding and output layer); their pieces of this rank's shards are set apart here, once."""
+        ids = {id(p) for p in params}
+        self._lr_ranges = [split_shard_ranges(r, ids) for r in self.regions]
+
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None):
         """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back.
 
+        ``decoupled_lr``: the rate of the parameters given to :meth:`set_decoupled_params` (their
+        weight decay ``p *= 1 - lr * wd`` too, as a torch param group's); None: ``lr`` for all.
         Returns ``(True, grad_norm)``, or ``(False, inf or nan)`` when the step was skipped.
         """
         self.finish_grad_sync()
@@ -191,9 +200,14 @@ class ZeroOptimizer(ShardState):
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         self.iteration += 1
-        for lists, decay_grads in _slices(self.regions, grads, ADAM_SLICE):
-            adamw_step(*lists, step=self.iteration, lr=lr, betas=self.betas, eps=self.eps, decay_grads=decay_grads,
-                       weight_decay=self.weight_decay, decoupled=self.decoupled_weight_decay)
+        groups = [(lr, [[(0, r.shard_len)] for r in self.regions])]
+        if decoupled_lr is not None and self._lr_ranges is not None:
+            groups = [(lr, [main for main, _ in self._lr_ranges]), (decoupled_lr, [d for _, d in self._lr_ranges])]
+        for group_lr, ranges in groups:
+            for lists, decay_grads in _slices(self.regions, grads, ADAM_SLICE, ranges):
+                adamw_step(*lists, step=self.iteration, lr=group_lr, betas=self.betas, eps=self.eps,
+                           decay_grads=decay_grads, weight_decay=self.weight_decay,
+                           decoupled=self.decoupled_weight_decay)
         for pending in [r.write_back(async_op=True) for r in self.regions]:
             pending.wait()
         self._end_step(found_inf=False)
@@ -268,12 +282,13 @@ class ZeroOptimizer(ShardState):
 ADAM_SLICE = 1 << 24  # elements per AdamW call: its temporaries (the denominator) stay <= 64 MB
 
 
-def _slices(regions, grads, size: int):
+def _slices(regions, grads, size: int, ranges):
     """``adamw_step``'s positional lists and its ``decay_grads``, over consecutive pieces of about
-    ``size`` elements of the regions' shards. AdamW is elementwise, so the pieces give the same
-    bits as one call over everything, with temporaries of one piece instead of the whole shard."""
-    pieces = [(r, g, lo, min(lo + size, r.shard_len)) for r, g in zip(regions, grads)
-              for lo in range(0, r.shard_len, size)]
+    ``size`` elements of the regions' shards (``ranges``: per region, the ``[a, b)`` ranges to
+    cover). AdamW is elementwise, so the pieces give the same bits as one call over everything,
+    with temporaries of one piece instead of the whole shard."""
+    pieces = [(r, g, lo, min(lo + size, b)) for r, g, rr in zip(regions, grads, ranges) for a, b in rr
+              for lo in range(a, b, size)]
     batch, n = [], 0
     for piece in pieces + [None]:
         if batch and (piece is None or n + piece[3] - piece[2] > size):

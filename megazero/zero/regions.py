@@ -159,3 +159,18 @@ def build_regions(ctx: RegionContext, chunks, trainable, shared_of: dict, *, red
         ps = [p for p, n in shared_of.items() if n == name]
         out.regions.append(ctx.region(ps, -1, flush_every=ctx.num_micro_batches, keep_full=True, shared=name))
     return out
+
+
+def split_shard_ranges(region, ids) -> tuple[list, list]:
+    """(other, chosen) ``[a, b)`` ranges of ``region``'s shard: the pieces of the parameters whose
+    ``id`` is in ``ids`` (merged where adjacent), and the rest, shard padding included (the
+    optimizer's per-parameter learning rates, ``ZeroOptimizer.set_decoupled_params``)."""
+    lo, hi = region.shard_lo, region.shard_lo + region.shard_len
+    dec = []
+    for p, o in zip(region.params, region.offsets):
+        a, b = max(o, lo) - lo, min(o + p.numel(), hi) - lo
+        if id(p) in ids and a < b:
+            dec = dec[:-1] + [(dec[-1][0], b)] if dec and dec[-1][1] == a else dec + [(a, b)]
+    cuts = [0] + [x for seg in dec for x in seg] + [region.shard_len]
+    other = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2) if cuts[i] < cuts[i + 1]]
+    return other, dec
