@@ -6,11 +6,12 @@
   ``iter_*`` folder) is only saved into by the run that loads from it (``--load`` is the same
   folder), or with ``--overwrite-checkpoints``; otherwise a new run would overwrite its iterations
   and move its pointer back.
-* ``<save>/megazero.lock`` holds ``host pid time`` of the run saving there (written by rank 0,
+* ``<save>/megazero.lock`` holds ``host pid time slurm-job-id`` of the run saving there (written by rank 0,
   exclusively created, its time refreshed every :data:`REFRESH_S` seconds by a daemon thread). A
   second run refuses to start while the lock is live. A lock is stale, and is taken over with one
   line saying so, when its process is gone (same host, pid not alive) or it has not been refreshed
-  for :data:`STALE_S` seconds (a dead host). The same process may claim its own lock again.
+  for :data:`STALE_S` seconds (a dead host), or it was written by an earlier attempt of the same
+  SLURM job (a requeue, possibly on another node). The same process may claim its own lock again.
 """
 
 from __future__ import annotations
@@ -74,10 +75,14 @@ def check_overwrite(save: str, load: str | None, overwrite: bool) -> None:
                           "--overwrite-checkpoints")
 
 
+def _job() -> str:
+    return os.environ.get("SLURM_JOB_ID", "-")
+
+
 def _read_lock(path: str):
     try:
-        host, pid, stamp = open(path).read().split()[:3]
-        return host, int(pid), float(stamp)
+        host, pid, stamp, *job = open(path).read().split()
+        return host, int(pid), float(stamp), (job or ["-"])[0]
     except (OSError, ValueError):
         return None
 
@@ -97,12 +102,14 @@ def lock_state(path: str):
     held = _read_lock(path)
     if held is None:
         return None, None if not os.path.exists(path) else "unreadable"
-    host, pid, stamp = held
+    host, pid, stamp, job = held
     me = socket.gethostname()
     if host == me and pid == os.getpid():
         return None, None
     if host == me and not _pid_alive(pid):
         return None, f"process {pid} on {host} is gone"
+    if job != "-" and job == _job():  # a requeued SLURM job, maybe on another node: its earlier attempt
+        return None, f"an earlier attempt of SLURM job {job} (process {pid} on {host})"
     age = time.time() - max(stamp, os.path.getmtime(path))
     if age > STALE_S:
         return None, f"not refreshed for {age:.0f} s (process {pid} on {host})"
@@ -118,7 +125,7 @@ def claim_lock(save: str, print_fn=print) -> str:
                               f"overwrite each other's checkpoints (remove the lock only if that run is gone)")
     if stale:
         print_fn(f"> taking over the stale checkpoint lock {path} ({stale})")
-    text = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}\n"
+    text = f"{socket.gethostname()} {os.getpid()} {time.time():.0f} {_job()}\n"
     if stale or os.path.exists(path):  # stale or our own: replace it
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:

@@ -123,3 +123,17 @@ def test_a_failed_save_says_when_the_disk_is_full(tmp_path):
     assert space_hint(str(tmp_path / "ck" / "iter_0000001.tmp")) == ""  # plenty free here
     hint = space_hint(str(tmp_path / "ck" / "iter_0000001.tmp"), min_free=1 << 62)
     assert hint.startswith(" (no space left on device: ") and str(tmp_path) in hint
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock(tmp_path):
+    """The earlier attempt ran on another node (its pid cannot be checked from here)."""
+    env = dict(os.environ, SLURM_JOB_ID="4242")
+    (tmp_path / LOCK_NAME).write_text(f"other-node 1 {time.time():.0f} 4242\n")
+    code = ("import sys; from megazero.checkpoint.guard import claim_lock; "
+            f"claim_lock({str(tmp_path)!r})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and "earlier attempt of SLURM job 4242" in out.stdout, out.stderr
+    env["SLURM_JOB_ID"] = "99"
+    (tmp_path / LOCK_NAME).write_text(f"other-node 1 {time.time():.0f} 4242\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and "another run (process 1 on other-node)" in out.stderr
