@@ -154,6 +154,8 @@ def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> di
         out[name] = torch.cat(parts, 0) if len(parts) > 1 else parts[0]
     if config.tied_embeddings and "embedding.word_embeddings.weight" in out:
         out.pop("output_layer.weight", None)  # the model uses (or copies) the embedding
+    if config.apply_layernorm_1p:  # --apply-layernorm-1p stores w where HF stores the scale 1 + w
+        out = {k: v - 1 if k.endswith("norm.weight") else v for k, v in out.items()}
     return out
 
 
@@ -166,6 +168,8 @@ def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torc
         if name not in full_state:
             continue
         t = full_state[name]
+        if config.apply_layernorm_1p and name.endswith("norm.weight"):
+            t = t + 1  # HF's norm scale is --apply-layernorm-1p's 1 + w
         if len(targets) > 1:
             sizes = next(v for k, v in split.items() if f".{k}." in f".{name}")
             pieces = t.split(sizes, 0)

@@ -52,3 +52,16 @@ def test_flag_reaches_the_config_and_meta_init():
     assert GPTConfig.from_saved_args(cfg.to_args()).apply_layernorm_1p
     meta = GPTModel(cfg, device="cpu", meta_init=True)
     assert torch.equal(meta.final_norm.param_inits["weight"](), torch.zeros(32))
+
+
+def test_hugging_face_mapping_adds_the_one():
+    from megazero.model.hf import full_to_hf, hf_to_full
+    cfg = replace_config(config("RMSNorm"), activation="swiglu", add_bias_linear=False)
+    full = GPTModel(cfg, device="cpu").full_state_dict()
+    hf = full_to_hf(full, cfg, "llama")
+    assert torch.equal(hf["model.norm.weight"], torch.ones(32))  # w = 0 -> HF scale 1
+    assert torch.equal(hf["model.layers.0.input_layernorm.weight"], torch.ones(32))
+    back = hf_to_full(hf, cfg, "llama")
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    plain = replace_config(cfg, apply_layernorm_1p=False)
+    assert torch.equal(hf_to_full(hf, plain, "llama")["final_norm.weight"], torch.ones(32))
