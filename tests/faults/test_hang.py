@@ -82,3 +82,28 @@ def test_sigterm_ends_a_blocked_rank():
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM and time.time() - t0 < 30
     assert "SIGTERM received while blocked" in err
+
+
+def _group_timeout(rank, world_size):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megazero.parallel.topology import Topology
+    topo = Topology(world_size, rank).create_groups(timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(8)
+        return None
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(1), group=topo.dp_group)
+    except RuntimeError as e:
+        return time.time() - t0, str(e)
+    return None
+
+
+def test_every_group_has_the_run_timeout():
+    """The default group waits 60 s here; the DP group must give up after its own 2 s."""
+    waited, error = run_distributed(_group_timeout, 2, timeout_s=120, collective_timeout_s=60)[0]
+    assert waited < 7 and "Timed out" in error, (waited, error)
