@@ -136,6 +136,7 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
         flags.append(f"--rotary-base {int(c.rotary_base)}")
     flags += [f for f, on in (("--swiglu", c.activation == "swiglu"), ("--openai-gelu", c.activation == "gelu_tanh"),
                               ("--disable-bias-linear", not c.add_bias_linear),
+                              ("--apply-layernorm-1p", c.apply_layernorm_1p),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")

@@ -187,6 +187,7 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConf
              "make_vocab_size_divisible_by": a.get("make_vocab_size_divisible_by", 128),
              "position_embedding_type": a.get("position_embedding_type", "learned_absolute"),
              "normalization": a.get("normalization", "LayerNorm"),
+             "apply_layernorm_1p": bool(a.get("apply_layernorm_1p", False)),  # norm weights stored as w (1 + w)
              "norm_epsilon": a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
              "add_bias_linear": a.get("add_bias_linear", True),
              "untie_embeddings_and_output_weights": a.get("untie_embeddings_and_output_weights", False),

@@ -65,3 +65,11 @@ def test_hugging_face_mapping_adds_the_one():
     assert all(torch.equal(back[k], full[k]) for k in full)
     plain = replace_config(cfg, apply_layernorm_1p=False)
     assert torch.equal(hf_to_full(hf, plain, "llama")["final_norm.weight"], torch.ones(32))
+
+
+def test_megatron_import_keeps_the_flag():
+    from megazero.checkpoint.megatron import config_from_megatron_args
+    a = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "padded_vocab_size": 128,
+         "apply_layernorm_1p": True}
+    assert config_from_megatron_args(a).apply_layernorm_1p
+    assert not config_from_megatron_args({**a, "apply_layernorm_1p": False}).apply_layernorm_1p
