@@ -143,3 +143,28 @@ def test_training_with_document_masks_pp2_equals_pp1():
     assert len(one) == len(two) == 2 and all(abs(a - b) > 1e-4 for a, b in zip(plain, one))
     for a, b in zip(one, two):
         assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_mask_with_attention_dropout_and_recompute():
+    """Training mode with attention dropout (the explicit softmax path): a later document still
+    ignores an earlier one (same dropout draws), and selective/full recompute give the same
+    gradients as no recompute."""
+    batch = _batch()
+    cfg = GPTConfig(**{**CFG, "attention_dropout": 0.3})
+    changed = batch["tokens"].clone()
+    changed[0, :4] = (changed[0, :4] + 1) % 49
+    model = GPTModel(cfg).train()
+    state = model.rng.state_dict()
+    a = model(batch["tokens"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"])
+    model.rng.load_state_dict(state)
+    b = model(changed, position_ids=batch["position_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(a[0, 5:], b[0, 5:], rtol=0, atol=1e-6)
+    grads = []
+    for recompute in (None, "selective", "full"):
+        m = GPTModel(GPTConfig(**{**CFG, "attention_dropout": 0.3}, recompute_granularity=recompute)).train()
+        m.rng.load_state_dict(state)
+        gpt_forward_step(m, batch, None).backward()
+        grads.append(m.full_state_dict(grads=True))
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7)
