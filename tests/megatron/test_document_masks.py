@@ -168,3 +168,16 @@ def test_mask_with_attention_dropout_and_recompute():
     for other in grads[1:]:
         for name, g in grads[0].items():
             torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_flash_backend_with_document_mask_is_refused(capsys):
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "100", "--reset-attention-mask"]
+    for flash in (["--use-flash-attn"], ["--attention-backend", "flash"]):
+        try:
+            parse_args(argv + flash, world_size=1, prog="pretrain_gpt.py")
+            raise AssertionError("accepted")
+        except SystemExit as e:
+            assert e.code == 2 and "use --attention-backend fused" in capsys.readouterr().err
+    assert parse_args(argv + ["--attention-backend", "fused"], world_size=1).reset_attention_mask
