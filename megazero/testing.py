@@ -117,6 +117,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, grace_
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
+                    procs[rank].join(timeout=5)  # the pipe closes just before the exit status is known
                     status, value = "error", f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
                 (results if status == "ok" else errors)[rank] = value
                 if status != "ok":
