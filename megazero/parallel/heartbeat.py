@@ -9,9 +9,10 @@ runs a Python signal handler. The watchdog adds both answers:
   rendezvous store (its own client connection) and reads the counters of the ``watch`` ranks after
   it on the ring ``rank+1 .. rank+watch (mod world)``, so every rank is watched by ``watch``
   others at O(watch) store reads per rank and interval. A counter that has not moved for
-  ``timeout_s`` (a rank stopped by SIGSTOP, a wedged GPU or NFS mount, a dead host) makes the
-  watcher print one line naming the silent rank and exit with status 1; the others follow through
-  their own watchdog or through the closed connections. A rank that ends (normally or not) sets its
+  ``timeout_s - 2 interval_s`` (a rank stopped by SIGSTOP, a wedged GPU or NFS mount, a dead
+  host; reported before the collectives' own timeout says only "timed out") makes the watcher
+  print one line naming the silent rank and exit with status 1; the others follow through their
+  own watchdog or through the closed connections. A rank that ends (normally or not) sets its
   counter negative first, so it is never reported as silent. A store that does not answer for
   ``timeout_s`` is reported the same way (it lives on rank 0 or the launcher's host).
 * **SIGTERM / SIGINT while blocked.** The C-level signal handler writes the signal number to a
@@ -52,6 +53,9 @@ class Heartbeat:
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.timeout_s = timeout_s
         self.interval_s = interval_s or max(0.5, min(10.0, timeout_s / 6))
+        # silent this long = reported: two intervals before the collectives' own timeout would raise
+        # (a watcher sees a beat up to one interval late), so the rank is named before they say "timed out"
+        self.silent_s = max(2 * self.interval_s, timeout_s - 2 * self.interval_s)
         self.peers = [(rank + i) % world_size for i in range(1, min(watch, world_size - 1) + 1)]
         self.grace_s, self.prefix = grace_s, prefix or key_prefix()
         self.stopped = threading.Event()
@@ -116,8 +120,8 @@ class Heartbeat:
                 if count != seen:
                     last_seen[peer] = (count, now)
                 elif count is None or count >= 0:
-                    if now - moved > self.timeout_s:
-                        self.fail(f"rank {peer} has sent no heartbeat for {now - moved:.0f} s (timeout "
+                    if now - moved > self.silent_s:
+                        self.fail(f"rank {peer} has sent no heartbeat for {now - moved:.0f} s (collective timeout "
                                   f"{self.timeout_s:.0f} s, --distributed-timeout-minutes): it is stopped, "
                                   f"wedged or gone; exiting", 1)
 
