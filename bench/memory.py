@@ -63,7 +63,8 @@ def _phase(peaks: dict, name: str):
 def _flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
     return ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
             "--seq-length", str(o.seq), "--max-position-embeddings", str(o.seq), "--micro-batch-size", "1",
-            "--global-batch-size", str(dp), "--train-iters", str(iters), "--lr", "1e-4", "--bf16",
+            "--global-batch-size", str(dp), "--train-iters", str(iters), "--lr", "1e-4"] + (
+            ["--bf16"] if o.dtype == "bf16" else []) + [
             "--mock-data", "--vocab-size", "50257", "--zero-stage", str(stage), "--log-interval", "100",
             "--eval-iters", "0", "--eval-interval", "1000", "--distributed-backend", "gloo",
             "--zero-max-reuse-distance", "0", "--seed", "1"]
@@ -189,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--save-timing", action="store_true", help="iteration time after a save, with and without "
                    "--async-save (first --stages / --dp value)")
