@@ -117,7 +117,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
         device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank(launch.local_world_size))
     timeout = timedelta(minutes=timeout_minutes)
-    if launch.source == "single":
+    if launch.world_size == 1:  # one process (also `WORLD_SIZE=1 RANK=0`): no port to bind or share
         store = dist.HashStore()
     else:
         store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,

@@ -62,7 +62,7 @@ def test_conflicting_sources_are_validation_errors(flags, message, capsys):
 
 
 def run(flags):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE, *flags], capture_output=True,
                          text=True, timeout=240, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
