@@ -170,6 +170,20 @@ def _validate_run(err, args) -> None:
         err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
 
 
+def _validate_values(err, args) -> None:
+    """Counts that must be positive and rates that must not be negative, named before any work
+    (a 0 or negative value would otherwise fail as a division by zero or a misleading message)."""
+    for name in ("log_interval", "global_batch_size", "vocab_size", "train_iters", "train_samples",
+                 "eval_interval", "save_interval"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("lr", "min_lr", "eval_iters"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            err(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
 def _validate_required(err, args) -> None:
     """What a training run cannot start without (Megatron asserts these in validate_args): named
     here, never a TypeError later."""
@@ -181,8 +195,12 @@ def _validate_required(err, args) -> None:
         err("one of --train-iters or --train-samples is required")
     if args.lr is None and not args.deepspeed_scheduler:
         err("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
-    if args.save_interval is not None and args.save_interval < 1:
-        err(f"--save-interval must be >= 1, got {args.save_interval}")
+    if not (args.data_path or args.mock_data or args.train_data_path):
+        err("no training data: give --data-path PREFIX (or --train-data-path ...), or --mock-data with "
+            "--vocab-size for synthetic tokens (Megatron-LM requires --mock-data too)")
+    if args.save_interval is not None and not args.save:
+        warnings.warn(f"--save-interval {args.save_interval} without --save: no checkpoint will be written",
+                      stacklevel=4)
 
 
 def _validate_schedule(err, args) -> None:
@@ -264,7 +282,7 @@ def validate(parser, args, training: bool = False) -> None:
     """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does.
     ``training``: also require what a training run needs (``pretrain_gpt.py``)."""
     err = lambda msg: parser.exit(2, f"{parser.prog}: error: {msg}\n")  # noqa: E731
-    checks = [_validate_grid, _validate_model, _validate_batch_schedule, _validate_layout, _validate_run,
+    checks = [_validate_grid, _validate_values, _validate_model, _validate_batch_schedule, _validate_layout, _validate_run,
               _validate_schedule, _validate_features]
     for check in checks + ([_validate_required] if training else []):
         check(err, args)

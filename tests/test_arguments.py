@@ -147,3 +147,26 @@ def test_megatron_flag_classes():
         parse_args(BASE + ["--context-parallel-size", "2", "--fp8-format", "hybrid"], world_size=8)
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--train-iters", "3", "--train-samples", "48"], world_size=8)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
+    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+])
+def test_impossible_values_are_named(extra, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + ["--mock-data", "--vocab-size", "100", "--train-iters", "2", "--lr", "0.1"] + extra,
+                   world_size=8, prog="pretrain_gpt.py")
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_training_run_without_data_is_an_error_and_save_interval_without_save_warns(capsys):
+    argv = BASE + ["--train-iters", "2", "--lr", "0.1"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=8, prog="pretrain_gpt.py", training=True)
+    assert "no training data" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="--save-interval 5 without --save"):
+        parse_args(argv + ["--mock-data", "--vocab-size", "100", "--save-interval", "5"], world_size=8,
+                   prog="pretrain_gpt.py", training=True)
