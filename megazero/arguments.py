@@ -159,6 +159,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="take the schedule's settings from the checkpoint")
 
+
+def _evaluation_and_logging_flags(p: argparse.ArgumentParser) -> None:
+    """Evaluation cadence and logging / TensorBoard (Megatron's names)."""
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -260,7 +263,8 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
-    for add_flags in (_model_flags, _training_flags, _checkpoint_flags, _parallel_flags, _data_flags):
+    for add_flags in (_model_flags, _training_flags, _evaluation_and_logging_flags, _checkpoint_flags,
+                      _parallel_flags, _data_flags):
         add_flags(p)
     add_compat_flags(p)  # Megatron-LM's other flags: no effect here (class 2) or an error (class 3)
     return p
