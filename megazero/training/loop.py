@@ -10,21 +10,15 @@ SLURM before preemption) makes every rank save at the end of the current iterati
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint import CheckpointError, schema
+from megazero.checkpoint import schema
 from megazero.checkpoint.api import load_run, start_save
-from megazero.data.indexed_dataset import DataError
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
-from megazero.training.build import setup
 from megazero.training.data import DocumentMasks, micro_batch_iterator
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats, model_flops_per_iteration
@@ -276,34 +270,3 @@ class Trainer(TrainerLogging):
         elif exiting:
             _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
         return exiting
-
-def pretrain(args, model_provider=None, forward_step_func=None) -> int:
-    """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
-
-    Errors are printed with the failing rank; a checkpoint problem prints one line naming the
-    file. The process group is torn down on the way out, so peers see a closed connection
-    instead of waiting for the collective timeout.
-    """
-    signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[args.exit_signal.upper()]}
-    exit_signal = ExitSignal.install(sorted(signums)) if args.exit_signal_handler else None
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    try:
-        trainer = setup(args, model_provider, forward_step_func)
-        trainer.train(exit_signal)
-        trainer.tb.close()
-    except CheckpointError as e:
-        print(f"rank {rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except DataError as e:  # a corrupt/missing/empty dataset, an id outside the vocabulary: one line
-        print(f"rank {rank}: data error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except Exception:
-        print(f"rank {rank}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-    return 0
