@@ -1,4 +1,9 @@
-"""The data a run trains on: the vocabulary size, the train/valid datasets, this rank's micro-batches."""
+"""The data a run trains on: the vocabulary size, the train/valid datasets, this rank's micro-batches.
+
+:class:`MicroBatchSource` is what the loop reads micro-batches from: only the entries this
+pipeline stage uses (:func:`stage_keys`, Megatron's ``get_batch``), read and pinned on a
+background thread while the previous step runs, in an order fixed by ``consumed_samples``.
+"""
 
 from __future__ import annotations
 
@@ -176,3 +181,117 @@ def micro_batch_iterator(dataset, consumed_samples: int, *, seq_length: int, mic
         if not cycle:
             raise RuntimeError(f"ran out of training samples ({len(dataset)})")
         start = 0
+
+
+MICRO_BATCH_KEYS = frozenset({"tokens", "labels", "loss_mask", "position_ids", "attention_mask"})
+_READ_KEYS = frozenset({"tokens", "labels", "loss_mask", "attention_mask"})  # need the samples' tokens
+
+
+def stage_keys(topo, masks: DocumentMasks | None = None, rope: bool = False) -> frozenset:
+    """The micro-batch entries this pipeline rank's chunks read (``gpt_forward_step``):
+
+    * the first stage (virtual stage 0, the embedding): ``tokens``, ``position_ids``;
+    * the last stage (the loss): ``labels``, ``loss_mask``;
+    * every stage, middle ones included, the per-document entries every layer uses: the
+      ``attention_mask`` with ``--reset-attention-mask``, and with ``--reset-position-ids`` the
+      ``position_ids`` when the layers apply RoPE (otherwise positions are ``arange(s)``, which a
+      chunk builds itself when none is given).
+
+    A rank with both the first and the last virtual stage (PP = 1, or any VP on one rank) gets
+    the union. Megatron-LM core_v0.19.0 ``pretrain_gpt.py: get_batch`` returns nothing on a rank
+    that is neither first nor last (``is_first_or_last_pipeline_stage``) unless the layers need
+    per-document metadata (``has_cu_seqlens``), and ``megatron/core/utils.py:
+    get_batch_on_this_tp_rank`` gives the first stage ``tokens``, ``position_ids``, the last
+    ``labels``, ``loss_mask`` (both the attention mask when it is made in the data loader)."""
+    every = set()
+    if masks is not None and masks.reset_attention_mask:
+        every.add("attention_mask")
+    if masks is not None and masks.reset_position_ids and rope:
+        every.add("position_ids")
+    keys = set(every)
+    if topo.is_first_stage:
+        keys |= {"tokens", "position_ids"}
+    if topo.is_last_stage:
+        keys |= {"labels", "loss_mask"}
+    return frozenset(keys)
+
+
+class _ReadMicroBatch:
+    """Runs on the reader thread: dataset samples ``indices`` -> this stage's CPU tensors
+    (pinned when they go to a CUDA device). Holds no reference to the :class:`MicroBatchSource`."""
+
+    def __init__(self, dataset, keys: frozenset, masks: DocumentMasks | None, pin: bool):
+        self.dataset, self.keys, self.masks, self.pin = dataset, keys, masks, pin
+
+    def __call__(self, indices: list[int]) -> dict:
+        from megazero.data.samplers import collate, get_tokens_and_labels
+        if not self.keys & _READ_KEYS and (self.masks is None or not self.keys):
+            return {}  # nothing of this stage comes from the samples: no read at all
+        tokens, labels = get_tokens_and_labels(collate([self.dataset[i] for i in indices]))
+        if self.masks is not None:
+            batch = {"tokens": tokens, "labels": labels, **self.masks(tokens)}
+        else:
+            batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
+        batch = {k: v for k, v in batch.items() if k in self.keys}
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+
+
+class MicroBatchSource:
+    """This rank's micro-batches of ``dataset`` from ``consumed_samples`` on, read ahead.
+
+    Sample order: :func:`~megazero.data.samplers.micro_batch_indices` (Megatron's pretraining
+    sampler; after ``k`` micro-batches per DP rank the next one starts at sample
+    ``consumed_samples + k * micro_batch_size * DP``), whatever number of micro-batches each
+    iteration takes, so a run resumed at ``consumed_samples`` continues exactly. Each dict holds
+    the ``keys`` of :func:`stage_keys` (default: all five), equal to what every rank read before
+    (``tokens``/``labels`` ``[b, s]`` int64, ``loss_mask`` float32, ``position_ids``, and
+    ``attention_mask`` ``[b, 1, s, s]`` with ``masks``); a stage that needs no sample gets ``{}``
+    and reads nothing (it still raises when the samples run out, as the others do).
+
+    ``num_workers`` (``--num-workers``): 0 reads on the calling thread inside :meth:`next_batch`;
+    1 or more, one daemon thread reads and pins (CUDA only) up to ``read_ahead`` micro-batches
+    ahead while the step runs (samples are memory-mapped reads plus a small collate under the
+    GIL, so a second thread would not read faster; Megatron's ``--num-workers`` counts DataLoader
+    worker processes). The copy to ``device`` is issued on the calling thread, ``non_blocking``
+    from pinned memory. A dataset error is raised by :meth:`next_batch` as the dataset raised it.
+    """
+
+    def __init__(self, dataset, consumed_samples: int, *, seq_length: int, micro_batch_size: int, topo, device,
+                 keys: frozenset | None = None, masks: DocumentMasks | None = None, cycle: bool = False,
+                 num_workers: int = 1, read_ahead: int = 1):
+        from megazero.data.samplers import ReadAhead, micro_batch_indices
+        self.device = torch.device(device)
+        self.keys = MICRO_BATCH_KEYS if keys is None else frozenset(keys)
+        unknown = self.keys - MICRO_BATCH_KEYS
+        if unknown:
+            raise ValueError(f"unknown micro-batch keys {sorted(unknown)}; known: {sorted(MICRO_BATCH_KEYS)}")
+        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        self.position_ids = None  # without masks: arange(s) for every micro-batch, made once on the device
+        if masks is None and "position_ids" in self.keys:
+            self.position_ids = torch.arange(seq_length, device=self.device).unsqueeze(0).expand(micro_batch_size, -1)
+        read = _ReadMicroBatch(dataset, self.keys, masks, self.pinned)
+        reads = bool(self.keys & _READ_KEYS) or (masks is not None and bool(self.keys))
+        work = micro_batch_indices(len(dataset), consumed_samples, micro_batch_size, topo.dp_rank, topo.dp, cycle)
+        self.reader = ReadAhead(work, read, ahead=read_ahead, threaded=reads and num_workers > 0,
+                                name=f"megazero-data-dp{topo.dp_rank}")
+
+    def next_batch(self, num_micro_batches: int, read_ahead: int | None = None) -> list[dict]:
+        """The next ``num_micro_batches`` micro-batch dicts on the device; ``read_ahead``: how
+        many to read ahead for the next call (its count, e.g. under batch-size ramp-up)."""
+        out = []
+        for batch in self.reader.take(num_micro_batches, read_ahead):
+            batch = {k: v.to(self.device, non_blocking=self.pinned) for k, v in batch.items()}
+            if self.position_ids is not None:
+                batch["position_ids"] = self.position_ids
+            out.append(batch)
+        return out
+
+    def close(self) -> None:
+        """Stop the reader thread (also on garbage collection and at interpreter exit)."""
+        self.reader.close()
+
+    def __enter__(self) -> "MicroBatchSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -55,3 +55,13 @@ def test_collate_and_loader():
     firsts = [b["text"][:, 0].tolist() for b in loader]
     assert firsts == [[6, 7]]
     assert build_pretraining_data_loader(None, 0, 1, 0, 1) is None
+
+
+def test_micro_batch_indices_continue_the_sampler_and_cycle_or_run_out():
+    from megazero.data.samplers import micro_batch_indices
+    it = micro_batch_indices(10, 4, 1, 1, 2)
+    assert [next(it) for _ in range(3)] == [[5], [7], [9]]
+    with pytest.raises(RuntimeError, match=r"ran out of training samples \(10\)"):
+        next(it)
+    cyc = micro_batch_indices(10, 6, 2, 0, 2, cycle=True)
+    assert [next(cyc) for _ in range(4)] == [[6, 7], [0, 1], [4, 5], [0, 1]]  # partial chunks dropped
