@@ -1,23 +1,24 @@
 """Validation and derived values of the flags (used by :func:`megazero.arguments.parse_args`).
 
-Each check is ``check(err, args)``: ``err(message)`` exits with status 2 and one
-``prog: error: message`` line. Everything here runs before any process group exists, so a bad
-flag costs no rank a wait. :func:`derive` computes the derived values, in one place:
+Each check is ``check(err, args)``: ``err(message)`` records one problem and the check goes on
+(a line that needs an earlier one to hold is skipped when it does not), so :func:`validate`
+lists every problem in one ``prog: error: A; B; ...`` line and exits with status 2. Everything
+here runs before any process group exists, so a bad flag costs no rank a wait. :func:`derive` computes the derived values, in one place:
 
 * ``world_size`` (set by ``parse_args``), ``data_parallel_size = world / (TP * PP)``
 * ``global_batch_size``: ``micro_batch * DP`` unless given (Megatron's default); with
   ``--step-batch-size-schedule`` the schedule's batch size for this run (see below)
 * ``num_micro_batches = global_batch / (micro_batch * DP)``
 * ``virtual_pipeline_model_parallel_size = num_layers / (PP * layers_per_virtual_stage)``
-* ``train_iters`` from ``--train-samples`` (Megatron's ``update_train_iters``: ``samples // B``,
-  or with a step schedule the number of batches until ``samples`` are consumed)
+* ``train_iters`` from ``--train-samples``: Megatron's ``update_train_iters`` for the run's
+  :class:`~megazero.training.batch_schedule.BatchSchedule` (constant ``samples // B``; step
+  schedule: iterations until ``samples`` are consumed; ramp-up: Megatron-LM core_v0.17.1's count)
 * ``lr_decay_iters``: ``train_iters`` unless given; ``params_dtype``; ``distributed_backend``
 
-Batch-size schedules: ``--step-batch-size-schedule "T0:B0 T1:B1 ..."`` (thresholds in tokens,
-K/M/B/T suffixes, divided by ``--seq-length`` into samples, Megatron core_v0.19.0) is honoured when
-the batch size is constant over this run's samples; a schedule that changes the batch size
-within the run is an error (the ZeRO gradient regions reduce after a fixed number of
-micro-batches). ``--rampup-batch-size`` is ignored with a warning, as Megatron core_v0.19.0 does.
+Batch-size schedules (:mod:`megazero.training.batch_schedule`): ``--step-batch-size-schedule``
+(Megatron core_v0.19.0) and ``--rampup-batch-size START INCR SAMPLES`` (Megatron core_v0.17.1, the
+last release that honours it; it needs ``--train-samples`` there and here). Every size the run
+will see must divide by ``micro_batch * DP``: checked here, naming the flag.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import warnings
 
 import torch
 
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-              "HuggingFaceTokenizer", "NullTokenizer")  # = megazero.data.tokenizers.TOKENIZER_TYPES
+from megazero.run_checks import check_required, check_run, check_values
+
+from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule
+
 
 
 def derive(args) -> None:
@@ -43,9 +46,9 @@ def derive(args) -> None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.micro_batch_size and args.global_batch_size:
         args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if args.train_iters is None and args.train_samples is not None and args.global_batch_size:
-        b = args.global_batch_size
-        args.train_iters = -(-args.train_samples // b) if args.step_batch_size_schedule else args.train_samples // b
+    if args.train_iters is None and args.train_samples is not None and args.micro_batch_size:
+        from megazero.training.batch_schedule import BatchSchedule  # pure arithmetic; imported when used
+        args.train_iters = BatchSchedule.from_args(args).train_iters(args.train_samples)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
@@ -57,43 +60,28 @@ def derive(args) -> None:
         args.attention_backend = "flash"
 
 
-def parse_batch_schedule(text: str, seq_length: int | None) -> list[tuple[int, int]]:
-    """``"0:16 2.4B:320"`` -> ``[(0, 16), (2.4e9 // seq_length, 320)]`` sorted by threshold: the
-    thresholds are tokens (K/M/B/T suffixes) turned into samples by ``// seq_length``."""
-    scale = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
-
-    def number(part: str) -> int:
-        part = part.strip().upper()
-        mult = scale.get(part[-1:], 1)
-        return int(float(part[:-1] if mult > 1 else part) * mult)
-
-    schedule = []
-    for entry in text.strip().strip("'\"").replace(",", " ").split():
-        if ":" not in entry:
-            raise ValueError(f"entry {entry!r} is not THRESHOLD:BATCH_SIZE")
-        threshold, batch = (number(x) for x in entry.split(":", 1))
-        schedule.append((threshold // seq_length if seq_length else threshold, batch))
-    schedule.sort()
-    if not schedule or schedule[0][0] != 0:
-        raise ValueError("the first entry must have threshold 0")
-    if any(b[0] <= a[0] for a, b in zip(schedule, schedule[1:])) or any(bs <= 0 for _, bs in schedule):
-        raise ValueError("thresholds must increase strictly and batch sizes be positive")
-    return schedule
-
-
 def _validate_grid(err, args) -> None:
     """TP and PP at least 1, and TP x PP divides the world size."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, name) < 1:
             err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if world % (tp * pp):
+    if grid_valid(args) is False:
         err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp}")
 
 
+def grid_valid(args) -> bool | None:
+    """None when TP or PP is < 1 (no grid to check against), else whether TP x PP divides the world."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return None if min(tp, pp) < 1 else args.world_size % (tp * pp) == 0
+
+
 def _validate_layout(err, args) -> None:
-    """Layers split evenly over PP (x VP); the global batch over micro-batches x DP."""
+    """Layers split evenly over PP (x VP); the global batch over micro-batches x DP; the sequence
+    over TP with --sequence-parallel (Megatron's rule: the sequence dimension is scattered over TP)."""
+    if not grid_valid(args):
+        return
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     dp = world // (tp * pp)
     if args.num_layers is not None:
@@ -107,7 +95,7 @@ def _validate_layout(err, args) -> None:
                 err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                     f"--num-layers-per-virtual-pipeline-stage {per_vp} = {pp * per_vp}")
     mbs, gbs = args.micro_batch_size, args.global_batch_size
-    if mbs is not None and gbs is not None:
+    if mbs is not None and mbs >= 1 and gbs is not None:
         if gbs % (mbs * dp):
             err(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
                 f"= {mbs * dp}")
@@ -118,6 +106,8 @@ def _validate_layout(err, args) -> None:
     if args.sequence_parallel and tp == 1:
         warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turning it off", stacklevel=3)
         args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length is not None and args.seq_length % tp:
+        err(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by --tensor-model-parallel-size {tp}")
 
 
 def _validate_model(err, args) -> None:
@@ -128,6 +118,8 @@ def _validate_model(err, args) -> None:
         if value is not None and value < 1:
             err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     h, heads = args.hidden_size, args.num_attention_heads
+    tp = tp if tp >= 1 else 1  # TP < 1 is _validate_grid's problem
+    heads = heads if heads is None or heads >= 1 else None  # so is a head count < 1: nothing to divide by
     if h is not None and h % tp:
         err(f"--hidden-size {h} is not divisible by --tensor-model-parallel-size {tp}")
     if heads is not None:
@@ -149,58 +141,6 @@ def _validate_model(err, args) -> None:
         err("--recompute-method needs --recompute-granularity full")
     if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
         err("--recompute-method needs --recompute-num-layers")
-
-
-def _validate_run(err, args) -> None:
-    """Precision, ZeRO knobs, tokenizer, schedule; a --load folder that does not exist yet is
-    Megatron's first run of a requeue script: a warning, then training starts from scratch."""
-    if args.fp16 and args.bf16:
-        err("--fp16 and --bf16 are mutually exclusive")
-    if args.zero_stage not in (0, 1, 2, 3):
-        err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
-    for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
-                 "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
-        if getattr(args, dest) < 0:
-            err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
-    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
-        err(f"--load {args.load} is not a directory")
-    if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
-        err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if args.lr_warmup_iters < 0:
-        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
-
-
-def _validate_values(err, args) -> None:
-    """Counts that must be positive and rates that must not be negative, named before any work
-    (a 0 or negative value would otherwise fail as a division by zero or a misleading message)."""
-    for name in ("log_interval", "global_batch_size", "vocab_size", "train_iters", "train_samples",
-                 "eval_interval", "save_interval"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("lr", "min_lr", "eval_iters"):
-        value = getattr(args, name, None)
-        if value is not None and value < 0:
-            err(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-
-
-def _validate_required(err, args) -> None:
-    """What a training run cannot start without (Megatron asserts these in validate_args): named
-    here, never a TypeError later."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
-                                                   "seq_length", "micro_batch_size") if getattr(args, n) is None]
-    if missing:
-        err(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
-    if args.train_iters is None and args.train_samples is None:
-        err("one of --train-iters or --train-samples is required")
-    if args.lr is None and not args.deepspeed_scheduler:
-        err("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
-    if not (args.data_path or args.mock_data or args.train_data_path):
-        err("no training data: give --data-path PREFIX (or --train-data-path ...), or --mock-data with "
-            "--vocab-size for synthetic tokens (Megatron-LM requires --mock-data too)")
-    if args.save_interval is not None and not args.save:
-        warnings.warn(f"--save-interval {args.save_interval} without --save: no checkpoint will be written",
-                      stacklevel=4)
 
 
 def _validate_schedule(err, args) -> None:
@@ -230,27 +170,45 @@ def _validate_schedule(err, args) -> None:
 
 
 def _validate_batch_schedule(err, args) -> None:
-    """--step-batch-size-schedule: constant over this run, and equal to --global-batch-size if both
-    are given (Megatron rejects the pair; its own GPT-3 example passes both, with the schedule's
-    final size, so the pair is accepted when they agree about this run)."""
-    text = args.step_batch_size_schedule
-    if text is None:
+    """--step-batch-size-schedule / --rampup-batch-size (:mod:`megazero.training.batch_schedule`):
+    well formed; ramp-up only in a --train-samples run and not with a step schedule (Megatron-LM
+    core_v0.17.1 ``validate_args``); a step schedule with --global-batch-size only when they agree
+    (Megatron refuses the pair; its own GPT-3 example passes both, with the schedule's final
+    size); every size the run will see divisible by micro-batch x DP."""
+    from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule  # pure arithmetic
+    text, rampup = args.step_batch_size_schedule, args.rampup_batch_size
+    if text is None and rampup is None:
+        return
+    if rampup is not None and (text is not None or args.train_iters is not None or len(rampup) != 3):
+        err("--rampup-batch-size takes START INCREMENT SAMPLES, needs --train-samples and excludes "
+            "--step-batch-size-schedule (Megatron-LM core_v0.17.1: 'expected no batch-size rampup for "
+            "iteration-based training'); use --step-batch-size-schedule with --train-iters")
+        return
+    if text is not None:
+        try:
+            steps = parse_batch_schedule(text, args.seq_length)
+        except ValueError as e:
+            err(f"--step-batch-size-schedule {text!r}: {e}")
+            return
+        if args.global_batch_size is not None and args.global_batch_size not in (steps[0][1], steps[-1][1]):
+            err(f"--global-batch-size {args.global_batch_size} disagrees with --step-batch-size-schedule {text!r} "
+                f"(Megatron-LM refuses the two together; drop one)")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if min(tp, pp) < 1 or args.world_size % (tp * pp) or not args.micro_batch_size or args.micro_batch_size < 1:
         return
     try:
-        schedule = parse_batch_schedule(text, args.seq_length)
+        schedule = BatchSchedule.from_args(args, data_parallel_size=args.world_size // (tp * pp))
+        iters = args.train_iters if args.train_iters is not None else schedule.train_iters(args.train_samples or 0)
+        schedule.check(iters, pp, interleaved=args.num_layers_per_virtual_pipeline_stage is not None)
     except ValueError as e:
-        err(f"--step-batch-size-schedule {text!r}: {e}")
-    first = schedule[0][1]
-    samples = args.train_samples if args.train_samples is not None else (args.train_iters or 0) * first
-    changes = [t for t, _ in schedule[1:] if t < samples]
-    if changes:
-        err(f"--step-batch-size-schedule {text!r} changes the global batch size at sample {changes[0]}, within "
-            f"this run's {samples} samples: batch-size changes are not available (ZeRO's gradient regions reduce "
-            "after a fixed number of micro-batches); run each constant stretch as its own run with --global-batch-size")
-    if args.global_batch_size is not None and args.global_batch_size not in (first, schedule[-1][1]):
-        err(f"--global-batch-size {args.global_batch_size} disagrees with --step-batch-size-schedule {text!r}, "
-            f"which gives {first} for this run (Megatron-LM refuses the two together; drop one)")
-    args.global_batch_size = first
+        err(str(e))
+        return
+    sizes = {b for _, b, _ in schedule.stretches(iters)}
+    if len(sizes) > 1:
+        err(f"{schedule.flag} changes the global batch size within this run ({', '.join(map(str, sorted(sizes)))}): "
+            "not wired into the training loop yet; run each constant stretch as its own run")
+    if text is not None:
+        args.global_batch_size = schedule.global_batch_size(0)
 
 
 def _validate_features(err, args) -> None:
@@ -278,14 +236,46 @@ def _validate_features(err, args) -> None:
             "is not available; use --position-embedding-type rope")
 
 
-def validate(parser, args, training: bool = False) -> None:
-    """Reject inconsistent flags with one line naming them; warn-and-fix where Megatron does.
-    ``training``: also require what a training run needs (``pretrain_gpt.py``)."""
-    err = lambda msg: parser.exit(2, f"{parser.prog}: error: {msg}\n")  # noqa: E731
-    checks = [_validate_grid, _validate_values, _validate_model, _validate_batch_schedule, _validate_layout, _validate_run,
-              _validate_schedule, _validate_features]
-    for check in checks + ([_validate_required] if training else []):
-        check(err, args)
-    if args.rampup_batch_size is not None:
-        warnings.warn("--rampup-batch-size is ignored, as in Megatron-LM core_v0.19.0 (deprecated there); "
-                      "the global batch size is constant (--global-batch-size)", stacklevel=3)
+class _Stop(Exception):
+    """Raised by the ``err`` of a check that stops at its first problem (see :func:`_first_only`)."""
+
+
+def _first_only(check):
+    """``check`` with an ``err`` that records the problem and stops it: for a check whose later
+    lines use what an earlier, failed line computed (the parsed batch-size schedule)."""
+    def run(err, args):
+        def stop(message):
+            err(message)
+            raise _Stop
+        try:
+            check(stop, args)
+        except _Stop:
+            pass
+    return run
+
+
+def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
+    """Every problem the checks find, in order: the grid first, what a run needs after the flags'
+    own rules, then ``extra_checks`` (``pretrain_gpt.py``: the paths it names)."""
+    problems = []
+    checks = [_validate_grid, check_values, _validate_model, _first_only(_validate_batch_schedule),
+              _validate_layout, check_run, _validate_schedule, _validate_features]
+    for check in checks + ([check_required] if training else []) + list(extra_checks):
+        check(problems.append, args)
+    return problems
+
+
+def report(parser, problems: list[str]) -> None:
+    """Exit with status 2 and one ``prog: error: A; B; ...`` line when there are problems."""
+    if problems:
+        parser.exit(2, f"{parser.prog}: error: {'; '.join(problems)}\n")
+
+
+def validate(parser, args, training: bool = False, extra_checks=(), problems=()) -> None:
+    """Reject inconsistent flags, listing every problem (after ``problems`` found while parsing)
+    in one line; warn-and-fix where Megatron does. ``training``: also require what a training run
+    needs (``pretrain_gpt.py``)."""
+    report(parser, list(problems) + problems_of(args, training, extra_checks))
+    if args.rampup_batch_size is not None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        from megazero.training.batch_schedule import BatchSchedule
+        print(BatchSchedule.from_args(args, data_parallel_size=1).describe(), flush=True)  # core_v0.18+ ignores it

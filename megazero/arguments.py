@@ -2,8 +2,8 @@
 
 ``parse_args(argv)`` parses, merges an optional DeepSpeed JSON config (``--deepspeed-config``,
 read as DeepSpeed reads it by :mod:`megazero.deepspeed_config`), validates and derives, all before any
-process group exists. Invalid input exits with status 2 and one ``prog: error: ...`` line that
-names the flags and the numbers. Nothing here has side effects beyond reading the config file.
+process group exists. Invalid input exits with status 2 and one ``prog: error: A; B; ...`` line
+that names the flags, paths and numbers of every problem found. Nothing here has side effects beyond reading the config file.
 
 Derived values, computed only in :func:`derive` (called by ``parse_args``):
 
@@ -29,7 +29,9 @@ import math
 import os
 import sys
 
-from megazero.args_checks import TOKENIZERS, derive, validate
+from megazero.args_checks import derive, report, validate
+from megazero.path_checks import PATH_CHECKS
+from megazero.run_checks import TOKENIZERS, early_problems
 from megazero.deepspeed_config import apply_deepspeed_config
 from megazero.megatron_flags import add_compat_flags, apply_megatron_flags
 
@@ -178,6 +180,8 @@ def _evaluation_and_logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--debug", action="store_true",
+                   help="print the full traceback of a failure (also MEGAZERO_DEBUG=1); default one line")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
@@ -280,10 +284,6 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str
     return dests
 
 
-def _fail(parser: argparse.ArgumentParser, message: str):
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
 def world_size_from_env(env=os.environ) -> int:
     for key in ("WORLD_SIZE", "SLURM_NTASKS"):
         if env.get(key):
@@ -292,24 +292,25 @@ def world_size_from_env(env=os.environ) -> int:
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None,
-               training: bool = False):
-    """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 on bad input.
-    ``training`` (``pretrain_gpt.py``): also require what a training run needs (sizes, the length
-    of the run, ``--lr``), as Megatron's validation does."""
+               training: bool = False, checks=()):
+    """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 and one line
+    listing every problem found on bad input. ``training`` (``pretrain_gpt.py``): also require
+    what a training run needs (sizes, the length of the run, ``--lr``, data) and check the paths
+    it names (:mod:`megazero.path_checks`), as Megatron's validation does. ``checks``: further
+    ``check(err, args)`` run on the valid, derived values (``pretrain_gpt.py``: free space for one
+    checkpoint, which needs the model's size); their problems are listed the same way."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()
-    apply_megatron_flags(args, lambda msg: _fail(parser, msg))
-    if args.group_query_attention and args.num_query_groups is None:
-        _fail(parser, "--group-query-attention needs --num-query-groups")
-    if args.num_query_groups is not None and not args.group_query_attention:
-        # Megatron-LM (core_transformer_config_from_args) ignores the group count without the switch
-        _fail(parser, f"--num-query-groups {args.num_query_groups} needs --group-query-attention: without it "
-                      "Megatron-LM ignores --num-query-groups and trains multi-head attention; add "
-                      "--group-query-attention for GQA, or drop --num-query-groups")
+    problems = early_problems(args)
+    apply_megatron_flags(args, problems.append)
     if args.deepspeed_config:
         apply_deepspeed_config(parser, args, _explicit_dests(parser, argv))
-    validate(parser, args, training=training)
+    validate(parser, args, training=training, extra_checks=PATH_CHECKS if training else (), problems=problems)
     derive(args)
+    late = []
+    for check in checks:
+        check(late.append, args)
+    report(parser, late)
     return args.freeze()

@@ -1,0 +1,138 @@
+"""The files and folders a training run names, checked before any process group (``pretrain_gpt.py``).
+
+Each check is ``check(err, args)`` like those of :mod:`megazero.args_checks`: ``err(message)``
+records one problem naming the flag, the path and the cause, and the checks go on, so one
+message lists every problem. Nothing is created or written here (``--save`` is created later, by
+:func:`megazero.checkpoint.guard.guard_save_dir`); a folder that does not exist yet passes when
+its nearest existing parent is a folder this process may create entries in.
+
+* ``--save``: a folder, or creatable; writable (``os.access``, which also answers ``EROFS`` for
+  a read-only file system); not on a pseudo file system (``/proc``, ``/sys``, ``/dev``), where
+  ``mkdir`` fails whoever runs it.
+* ``--load``: when it exists, a folder this process can list and read (a ``--load`` that does not
+  exist yet is Megatron's first run of a requeue script: a warning later, not an error).
+* ``--data-path`` / ``--train-data-path`` ... : every prefix has a readable ``PREFIX.bin`` and
+  ``PREFIX.idx`` (weights of a blend skipped: ``w1 p1 w2 p2``); ``--data-args-path`` is checked
+  by :mod:`megazero.arguments` before it is read.
+* Tokenizer files: ``--vocab-file`` / ``--merge-file`` readable files, ``--tokenizer-model`` a
+  readable file (HuggingFaceTokenizer: a file or a folder); a tokenizer type's required file flag
+  is named when it is missing and the run reads real data (``--tokenizer-type GPT2BPETokenizer
+  needs --merge-file``).
+"""
+
+from __future__ import annotations
+
+import os
+
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+NEEDS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
+         "GPTSentencePieceTokenizer": ("tokenizer_model",), "Llama2Tokenizer": ("tokenizer_model",),
+         "HuggingFaceTokenizer": ("tokenizer_model",)}
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _cause(path: str, mode: int) -> str | None:
+    """Why ``path`` (which exists) cannot be used with ``mode`` (``os.R_OK`` ...), or None."""
+    if os.access(path, mode):
+        return None
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return "read-only file system" if read_only and mode & os.W_OK else "permission denied"
+
+
+def readable_file_problem(name: str, path: str, folder_ok: bool = False) -> str | None:
+    """``"--vocab-file X: no such file"`` and the like, or None when ``path`` can be read."""
+    if not os.path.exists(path):
+        return f"{name} {path}: no such file{' or folder' if folder_ok else ''}"
+    if os.path.isdir(path):
+        cause = None if folder_ok else "is a folder, not a file"
+        cause = cause or _cause(path, os.R_OK | os.X_OK)
+    else:
+        cause = _cause(path, os.R_OK)
+    return f"{name} {path}: {cause}" if cause else None
+
+
+def writable_folder_problem(name: str, path: str) -> str | None:
+    """Why ``path`` cannot be (created as) a folder this process writes into, or None."""
+    real = os.path.realpath(path)
+    pseudo = next((fs for fs in PSEUDO_FILE_SYSTEMS if real == fs or real.startswith(fs + "/")), None)
+    if pseudo:
+        return f"{name} {path}: is on the pseudo file system {pseudo}, where no checkpoint can be written"
+    if os.path.exists(real) and not os.path.isdir(real):
+        return f"{name} {path}: is a file, not a folder"
+    parent = real
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{name} {path}: {parent} is a file, so the folder cannot be created"
+    cause = _cause(parent, os.W_OK | os.X_OK)
+    if cause:
+        where = "" if parent == real else f" (cannot create it in {parent})"
+        return f"{name} {path}: not writable: {cause}{where}"
+    return None
+
+
+def data_prefixes(paths) -> list[str]:
+    """The prefixes of a ``--data-path`` list: ``[p]``, ``[p1 p2 ...]`` or ``[w1 p1 w2 p2 ...]``."""
+    paths = list(paths or [])
+
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(paths) > 1 and len(paths) % 2 == 0 and all(is_number(w) for w in paths[0::2]):
+        return paths[1::2]
+    return paths
+
+
+def check_checkpoint_paths(err, args) -> None:
+    """``--save`` writable (or creatable), ``--load`` readable when it exists."""
+    if args.save:
+        problem = writable_folder_problem("--save", args.save)
+        if problem:
+            err(problem)
+    if args.load and os.path.isdir(args.load):
+        cause = _cause(args.load, os.R_OK | os.X_OK)
+        if cause:
+            err(f"--load {args.load}: {cause}")
+
+
+def check_data_paths(err, args) -> None:
+    """Every dataset prefix has a readable ``.idx`` and ``.bin``."""
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for prefix in data_prefixes(getattr(args, dest, None)):
+            if not (os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin")):
+                stem, ext = os.path.splitext(prefix)
+                hint = (f" (give the prefix {stem}, without {ext})" if ext in (".bin", ".idx") and
+                        os.path.exists(stem + ".idx") else "")
+                err(f"{flag(dest)} {prefix}: no such dataset ({prefix}.bin and {prefix}.idx missing){hint}")
+                continue
+            for suffix in (".idx", ".bin"):
+                problem = readable_file_problem(flag(dest), prefix + suffix)
+                if problem:
+                    err(problem)
+
+
+def check_tokenizer_paths(err, args) -> None:
+    """The tokenizer type's file flags are given, and every given tokenizer file can be read."""
+    kind = args.tokenizer_type
+    for dest in () if args.mock_data else NEEDS.get(kind, ()):
+        if getattr(args, dest) is None:
+            err(f"--tokenizer-type {kind} needs {flag(dest)}")
+    for dest in ("vocab_file", "merge_file", "tokenizer_model"):
+        path = getattr(args, dest)
+        if path is not None:
+            problem = readable_file_problem(flag(dest), path, folder_ok=kind == "HuggingFaceTokenizer")
+            if problem:
+                err(problem)
+
+
+PATH_CHECKS = (check_checkpoint_paths, check_data_paths, check_tokenizer_paths)

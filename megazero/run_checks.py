@@ -1,0 +1,85 @@
+"""What a run's values must be, checked with the flags (:func:`megazero.args_checks.validate`):
+counts that must be positive and rates that must not be negative, precision and ZeRO knobs, the
+tokenizer's name, and what a training run cannot start without (Megatron asserts these in
+``validate_args``). Each check is ``check(err, args)``; ``err`` records one problem."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from megazero.path_checks import readable_file_problem
+
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+              "HuggingFaceTokenizer", "NullTokenizer")  # = megazero.data.tokenizers.TOKENIZER_TYPES
+
+
+def check_run(err, args) -> None:
+    """Precision, ZeRO knobs, tokenizer, schedule; a --load folder that does not exist yet is
+    Megatron's first run of a requeue script: a warning, then training starts from scratch."""
+    if args.fp16 and args.bf16:
+        err("--fp16 and --bf16 are mutually exclusive")
+    if args.zero_stage not in (0, 1, 2, 3):
+        err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
+                 "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
+        if getattr(args, dest) < 0:
+            err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        err(f"--load {args.load} is not a directory")
+    if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
+        err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    if args.lr_warmup_iters < 0:
+        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+
+
+def check_values(err, args) -> None:
+    """Counts that must be positive and rates that must not be negative, named before any work
+    (a 0 or negative value would otherwise fail as a division by zero or a misleading message)."""
+    for name in ("log_interval", "global_batch_size", "vocab_size", "train_iters", "train_samples",
+                 "eval_interval", "save_interval"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("lr", "min_lr", "eval_iters"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            err(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def check_required(err, args) -> None:
+    """What a training run cannot start without (Megatron asserts these in validate_args): named
+    here, never a TypeError later."""
+    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
+                                                   "seq_length", "micro_batch_size") if getattr(args, n) is None]
+    if missing:
+        err(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    if args.train_iters is None and args.train_samples is None:
+        err("one of --train-iters or --train-samples is required")
+    if args.lr is None and not args.deepspeed_scheduler:
+        err("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
+    if args.mock_data and args.vocab_size is None:
+        err("--mock-data needs --vocab-size (the synthetic tokens' vocabulary)")
+    if not (args.data_path or args.mock_data or args.train_data_path):
+        err("no training data: give --data-path PREFIX (or --train-data-path ...), or --mock-data with "
+            "--vocab-size for synthetic tokens (Megatron-LM requires --mock-data too)")
+    if args.save_interval is not None and not args.save:
+        warnings.warn(f"--save-interval {args.save_interval} without --save: no checkpoint will be written",
+                      stacklevel=5)
+
+
+def early_problems(args) -> list[str]:
+    """Problems found before the checks of :mod:`megazero.args_checks`: an unreadable
+    ``--data-args-path`` (then not read), a query-group count without its switch or vice versa."""
+    problems = []
+    if args.data_args_path and readable_file_problem("--data-args-path", args.data_args_path):
+        problems.append(readable_file_problem("--data-args-path", args.data_args_path))
+        args.data_args_path = None
+    if args.group_query_attention and args.num_query_groups is None:
+        problems.append("--group-query-attention needs --num-query-groups")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        # Megatron-LM (core_transformer_config_from_args) ignores the group count without the switch
+        problems.append(f"--num-query-groups {args.num_query_groups} needs --group-query-attention: without it "
+                        "Megatron-LM ignores --num-query-groups and trains multi-head attention; add "
+                        "--group-query-attention for GQA, or drop --num-query-groups")
+    return problems
