@@ -90,3 +90,21 @@ def test_run_all_tables_parse_bench_output():
         {"kind": "ratio", "what": "zero-1/ddp", "ratio": 0.667, "target": 1.05, "met": True}]])
     assert "| zero-1/ddp | 0.667 | 1.05 | True |" in zero
     assert "| 1 | 100 | 2.0 | 3.0 | 2.99 MB | 2.99 MB | 1.0 |" in zero
+
+
+def test_loop_bench_runs_megazero_and_both_peers(capsys):
+    """bench/loop.py at tiny sizes: megazero's loop (ZeRO 0 and 3) and the DDP / FSDP2 loops run,
+    each megazero run prints its log line every iteration, and a ratio per (stage, interval)."""
+    loop = _load("loop")
+    loop.main(["--ranks", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+               "--micro-batch", "2", "--global-batch", "4", "--vocab", "64", "--iters", "2", "--reps", "2",
+               "--warmup", "0", "--stage", "0", "3", "--log-interval", "1"])
+    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+    rows = {(j["stage"], j["log_interval"]): j for j in lines if j["kind"] == "loop"}
+    assert sorted(rows) == [(0, 1), (3, 1)]
+    assert rows[0, 1]["peer"] == "ddp" and rows[3, 1]["peer"] == "fsdp2"
+    for row in rows.values():
+        assert row["megazero_log_lines"] == 2 * 2 and len(row["megazero_runs_ms"]) == len(row["peer_runs_ms"]) == 2
+        assert row["megazero_ms"] > 0 and row["peer_ms"] > 0
+        assert abs(row["ratio"] - row["megazero_ms"] / row["peer_ms"]) < 0.01 * row["ratio"]
+    assert lines[0]["kind"] == "config" and lines[-1]["kind"] == "load"

@@ -1,0 +1,203 @@
+"""The whole training iteration: megazero's loop against a bare PyTorch loop, same model and batches.
+
+    PYTHONPATH=. .venv/bin/python bench/loop.py [--stage 0 1 2 3] [--log-interval 1 100] [--ranks 4]
+        [--iters 5] [--reps 3] [--warmup 1] [--layers 4] [--hidden 256] [--seq 128]
+        [--micro-batch 4] [--global-batch 16] [--vocab 1024]
+
+megazero: ``megazero.training.setup`` + ``Trainer.train`` from ``pretrain_gpt.py``'s flags (GPT,
+mock data, fp32, dropout 0, ``--clip-grad 1.0``, constant LR, ``--zero-stage S``,
+``--log-interval L``), everything the loop does per iteration included (data, schedule, ZeRO
+step, LR, loss agreement, log line). ``--exit-interval K`` makes each ``train()`` call one run of
+``K`` iterations, so one trainer serves every repetition. Peer, on the same ``GPTModel`` (built
+with the same name-seeded weights) and the same micro-batches (the same mock dataset and
+Megatron sampler, read on the main thread): ZeRO 0/1/2 -> ``DistributedDataParallel`` +
+``AdamW(foreach)`` + ``clip_grad_norm_`` + one ``barrier`` per iteration, the loss all-reduced
+and read every ``L`` iterations; ZeRO 3 -> the same loop with FSDP2 ``fully_shard`` on each
+transformer layer and the root.
+
+Runs are interleaved (megazero then peer, peer then megazero on the next repetition) so that a
+shared box's load hits both alike. Per run: the slowest rank's wall time / K (barrier before).
+Prints JSON lines: ``config``, then per (stage, L) ``{"kind": "loop", "megazero_ms": median,
+"peer_ms": median, "ratio": megazero/peer of the medians, "paired_ratio": median of per-repetition
+ratios, "target", "met"}``; ``load`` (1-minute load average) before and after. Targets (issue 19):
+<= 1.05 at L = 1, <= 1.03 at L = 100 for ZeRO 0-2; ZeRO 3 <= 1.0 x FSDP2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megazero.testing import run_distributed
+
+
+def megatron_argv(a, stage: int, log_interval: int) -> list[str]:
+    """pretrain_gpt.py's flags for one megazero system (training length: every run + warm-up)."""
+    total = (a.warmup + a.reps) * a.iters
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq),
+            "--micro-batch-size", str(a.micro_batch), "--global-batch-size", str(a.global_batch),
+            "--train-iters", str(total), "--exit-interval", str(a.iters), "--log-interval", str(log_interval),
+            "--mock-data", "--vocab-size", str(a.vocab), "--lr", "1e-4", "--lr-decay-style", "constant",
+            "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0",
+            "--zero-stage", str(stage), "--distributed-backend", "gloo", "--seed", "1234"]
+
+
+def _megazero(a, world: int, stage: int, log_interval: int):
+    """A trainer; ``run()`` trains ``a.iters`` iterations (one ``train()`` call) and returns the
+    number of log lines printed (on the last rank)."""
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = setup(parse_args(megatron_argv(a, stage, log_interval), world_size=world))
+
+    def run():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            trainer.train(None)
+        return sum(" iteration " in line for line in buf.getvalue().splitlines())
+    return run, trainer.args
+
+
+def _peer(a, world: int, rank: int, args, fsdp: bool):
+    """The bare loop on megazero's own ``GPTModel`` (TP = PP = 1, same weights); ``run(L)``."""
+    from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
+    from megazero.model import GPTModel
+    from megazero.parallel.topology import Topology
+    from megazero.training.build import build_configs
+    from megazero.training.data import MockGPTDataset
+    config, _ = build_configs(args)
+    model = GPTModel(config, Topology(world, rank).create_groups())
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    m = args.num_micro_batches
+    dataset = MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, args.vocab_size, args.seed)
+    indices = iter(PretrainingSampler(len(dataset), 0, args.micro_batch_size, rank, world))
+    position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
+    state = {"iteration": 0, "losses": []}
+    sink = io.StringIO()  # the log line's destination (megazero's is captured the same way)
+
+    def micro_step(k: int) -> torch.Tensor:
+        tokens, labels = get_tokens_and_labels(collate([dataset[i] for i in next(indices)]))
+        sync = fsdp or k == m - 1
+        with contextlib.nullcontext() if sync else model.no_sync():
+            loss = model(tokens, position_ids=position_ids, labels=labels).float().mean()
+            (loss / m).backward()
+        return loss.detach()
+
+    def run(log_interval: int) -> int:
+        printed = 0
+        for _ in range(a.iters):
+            state["losses"].append(torch.stack([micro_step(k) for k in range(m)]).mean())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state["iteration"] += 1
+            if state["iteration"] % log_interval == 0:
+                total = torch.stack(state["losses"]).mean()
+                dist.all_reduce(total)
+                loss = total.item() / world
+                if rank == world - 1:
+                    print(f" iteration {state['iteration']:8d} | lm loss: {loss:.6E} |", file=sink)
+                    printed += 1
+                state["losses"].clear()
+            dist.barrier()
+        return printed
+    return run
+
+
+def _timed(run) -> tuple[float, int]:
+    """(slowest rank's wall seconds, run's return value)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    value = run()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item(), value
+
+
+def _bench(rank, world, a):
+    systems, peers = [], {}
+    for stage in a.stage:
+        for li in a.log_interval:
+            mz, args = _megazero(a, world, stage, li)
+            kind = "fsdp2" if stage == 3 else "ddp"
+            if kind not in peers:
+                peers[kind] = _peer(a, world, rank, args, fsdp=stage == 3)
+            peer = peers[kind]
+            systems.append((stage, li, kind, mz, lambda peer=peer, li=li: peer(li)))
+    times = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
+    logs = {(s, li): 0 for s, li, *_ in systems}
+    for rep in range(a.warmup + a.reps):
+        for stage, li, _, mz, peer in systems:
+            order = (("megazero", mz), ("peer", peer)) if rep % 2 == 0 else (("peer", peer), ("megazero", mz))
+            for name, run in order:
+                t, printed = _timed(run)
+                if rep >= a.warmup:
+                    times[(stage, li)][name].append(t / a.iters * 1000)
+                    logs[(stage, li)] += printed if name == "megazero" else 0
+    return _results(a, systems, times, logs) if rank == world - 1 else None
+
+
+def _results(a, systems, times, logs) -> list[dict]:
+    lines = []
+    for stage, li, kind, *_ in systems:
+        mz, peer = times[(stage, li)]["megazero"], times[(stage, li)]["peer"]
+        ratio = statistics.median(mz) / statistics.median(peer)
+        target = 1.0 if stage == 3 else (1.05 if li == 1 else 1.03)
+        lines.append({"kind": "loop", "stage": stage, "log_interval": li, "peer": kind,
+                      "megazero_ms": round(statistics.median(mz), 2), "peer_ms": round(statistics.median(peer), 2),
+                      "ratio": round(ratio, 3),
+                      "paired_ratio": round(statistics.median(x / y for x, y in zip(mz, peer)), 3),
+                      "target": target, "met": ratio <= target, "megazero_log_lines": logs[(stage, li)],
+                      "megazero_runs_ms": [round(x, 1) for x in mz], "peer_runs_ms": [round(x, 1) for x in peer]})
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--log-interval", type=int, nargs="+", default=[1, 100])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--iters", type=int, default=5, help="iterations per run")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per system")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per system first")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=1024)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(json.dumps({"kind": "config", **vars(a), "load": os.getloadavg()[0], "torch": torch.__version__}),
+          flush=True)
+    t0 = time.perf_counter()
+    results = run_distributed(_bench, a.ranks, a, timeout_s=3600, collective_timeout_s=600)[-1]
+    for line in results:
+        print(json.dumps(line), flush=True)
+    print(json.dumps({"kind": "load", "after": os.getloadavg()[0], "seconds": round(time.perf_counter() - t0, 1)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
