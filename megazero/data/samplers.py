@@ -195,7 +195,7 @@ class ReadAhead:
         if shared.stop:
             raise RuntimeError("ReadAhead.take after close()")
         if self._thread is None:
-            return [self._read(next(self._work)) for _ in range(n)]
+            return [self._take_here() for _ in range(n)]
         out = []
         with shared.cond:
             if ahead is not None:
@@ -210,6 +210,17 @@ class ReadAhead:
                 shared.cond.notify_all()
                 out.append(value)
         return out
+
+    def _take_here(self):
+        """One result read on the calling thread (``threaded=False``); a failure is kept and
+        raised again by every later call, as from the thread."""
+        if self._shared.ready:
+            raise self._shared.ready[0][1]
+        try:
+            return self._read(next(self._work))
+        except BaseException as e:
+            self._shared.ready.append((False, e))
+            raise
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the thread and wait for it (it finishes the read in progress, if any)."""
