@@ -47,6 +47,7 @@ class OptimizerConfig:
     max_live_parameters: int
     max_reuse_distance: int
     decoupled_weight_decay: bool = True
+    overlap_param_gather: bool = False
 
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
@@ -61,6 +62,7 @@ class OptimizerConfig:
                    initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
                    loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                    reduce_bucket_size=args.zero_reduce_bucket_size, overlap_comm=args.zero_overlap_comm,
+                   overlap_param_gather=bool(getattr(args, "overlap_param_gather", False) or args.zero_overlap_comm),
                    prefetch_bucket_size=args.zero_prefetch_bucket_size,
                    param_persistence_threshold=args.zero_param_persistence_threshold,
                    max_live_parameters=args.zero_max_live_parameters,

@@ -126,7 +126,8 @@ class _Step:
 
 
 class PipelineRunner:
-    """This rank's schedule for ``num_micro_batches`` micro-batches, built once per run.
+    """This rank's schedule for ``num_micro_batches`` micro-batches, built once per run (and once
+    per other count a batch-size schedule asks for: the plans are kept per ``(M, forward_only)``).
 
     ``activation_shape`` / ``activation_dtype``: the tensor that travels between stages (and its
     gradient back), e.g. ``ModelStages.activation_shape``; ``device``: where receives are
@@ -138,7 +139,7 @@ class PipelineRunner:
                  device: torch.device | str | None = None):
         self.topo, self.m = topo, int(num_micro_batches)
         self.shape, self.dtype = tuple(activation_shape), activation_dtype
-        self.plans = {fo: build_plan(topo.pp, topo.vp, self.m, topo.pp_rank, fo) for fo in (False, True)}
+        self.plans = {(self.m, fo): build_plan(topo.pp, topo.vp, self.m, topo.pp_rank, fo) for fo in (False, True)}
         self.schedule = schedule_name(topo.pp, topo.vp)
         self.warmup = warmup_count(topo.pp, topo.vp, self.m, topo.pp_rank)
         self.comm = P2PCommunicator(topo, self.shape, self.dtype, device) if device is not None else None
@@ -161,15 +162,17 @@ class PipelineRunner:
         micro_batches = list(micro_batches)
         if len(chunks) != self.topo.vp:
             raise ValueError(f"{len(chunks)} model chunks given, topology has VP {self.topo.vp}")
-        if len(micro_batches) != self.m:
-            raise ValueError(f"{len(micro_batches)} micro-batches given, the runner was built for {self.m}")
+        key = (len(micro_batches), bool(forward_only))
+        if key not in self.plans:  # a new batch size (validated for the schedule by the arguments)
+            self.plans[key] = build_plan(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank, key[1])
         if self.comm is None:
             self.comm = P2PCommunicator(self.topo, self.shape, self.dtype, _device_of(chunks))
         step = _Step(chunks, micro_batches, self.topo, forward_step, self.comm, grad_scale, forward_only, trace)
         with torch.no_grad() if forward_only else torch.enable_grad():
-            losses = step.run(self.plans[forward_only])
+            losses = step.run(self.plans[key])
         if stats is not None:
-            stats.update(schedule=self.schedule, max_in_flight=step.max_live, warmup=self.warmup)
+            stats.update(schedule=self.schedule, max_in_flight=step.max_live,
+                         warmup=warmup_count(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank))
         return losses
 
 

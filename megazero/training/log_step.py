@@ -16,13 +16,12 @@ from megazero.training.lr_schedule import learning_rates
 
 class TrainerLogging:
     """Logging methods of the Trainer (they read its ``args``, ``stats``, ``scheduler``,
-    ``optimizer``, ``tb``, ``rank``/``last_rank`` and ``_dp_mean``)."""
+    ``optimizer``, ``tb``, ``rank``/``last_rank``)."""
 
-    def _log(self, seconds_per_iter: float, grad_norm) -> None:
-        """Megatron's line on the last rank; the interval's loss sum is averaged over the DP group
-        (the last stage's ranks join that one all-reduce)."""
+    def _log(self, seconds_per_iter: float, grad_norm, loss_sum: float | None) -> None:
+        """Megatron's line on the last rank; ``loss_sum``: the interval's applied iterations'
+        DP-mean losses, summed (agreed in the iteration's packed all-reduce: no collective here)."""
         args, stats = self.args, self.stats
-        loss_sum = None if stats.loss_sum is None else self._dp_mean([stats.loss_sum])
         if self.rank == self.last_rank:
             losses = stats.losses(loss_sum)
             self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
@@ -32,7 +31,7 @@ class TrainerLogging:
                                  tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
                                  decoupled_lr=learning_rates(self.scheduler, args)[1],
                                  global_batch_size=args.global_batch_size, losses=losses,
-                                 loss_scale=float(self.optimizer.loss_scale), grad_norm=grad_norm,
+                                 loss_scale=self.optimizer.scaler.scale, grad_norm=grad_norm,
                                  skipped=stats.skipped, nans=stats.nans,
                                  timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
             if args.log_timers_to_tensorboard:
@@ -41,21 +40,19 @@ class TrainerLogging:
                                 self.iteration, self.consumed_samples)
         stats.reset()
 
-    def _tensorboard_step(self, loss, grad_norm) -> None:
+    def _tensorboard_step(self, lm: float | None, grad_norm) -> None:
         """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
         the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
         ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
-        communication counters. Collective on the last stage (the loss's DP mean)."""
+        communication counters. ``lm``: the iteration's DP-mean loss, agreed in its packed
+        all-reduce (no collective here)."""
         args = self.args
-        if not args.tensorboard_dir or self.iteration % args.tensorboard_log_interval:
-            return
-        lm = self._dp_mean([loss]) if loss is not None else None
         if self.rank != self.last_rank:
             return
         scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
                    "grad-norm": grad_norm, "decoupled-learning-rate": learning_rates(self.scheduler, args)[1]}
         if args.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = float(self.optimizer.loss_scale)
+            scalars["loss-scale"] = self.optimizer.scaler.scale
         if args.log_world_size_to_tensorboard:
             scalars["world-size"] = args.world_size
         if args.log_memory_to_tensorboard:

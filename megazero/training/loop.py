@@ -19,6 +19,7 @@ from megazero.checkpoint import schema
 from megazero.checkpoint.api import load_run, start_save
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
+from megazero.training.agree import IterationAgreement
 from megazero.training.data import DocumentMasks, micro_batch_iterator
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats, model_flops_per_iteration
@@ -47,6 +48,8 @@ class Trainer(TrainerLogging):
         self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
         self.first_iteration = 0  # where this process started (set again by train())
         self.pending_save = None  # --async-save: the checkpoint still being written
+        self.exit_signal = None  # set by train()
+        self.agreement = IterationAgreement(topo, device, optimizer)  # the one packed all-reduce per iteration
         self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
@@ -61,22 +64,37 @@ class Trainer(TrainerLogging):
                                     device=self.device, cycle=cycle, masks=self.doc_masks)
 
     # ---- one iteration -------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict]) -> tuple[float | None, bool, float | None]:
-        """Schedule (forward/backward of every micro-batch), gradient sync, optimizer step;
-        with ``--pipeline-trace`` the third step of this process is traced and written."""
+    def train_step(self, micro_batches: list[dict], with_loss: bool):
+        """Schedule (forward/backward of every micro-batch), gradient sync, the iteration's one
+        packed all-reduce and host read (:mod:`.agree`; ``with_loss``: a log or TensorBoard line
+        is due, so the DP-mean loss travels in it), optimizer step. Returns ``(loss, ok,
+        grad_norm, agreed)``; with ``--pipeline-trace`` the third step of this process is traced."""
         args = self.args
         steps_done = self.iteration - self.first_iteration
         traced = args.pipeline_trace and steps_done == min(2, args.train_iters - self.first_iteration - 1)
         trace = ScheduleTrace() if traced else None
         self.optimizer.zero_grad()
+        self.optimizer.set_num_micro_batches(len(micro_batches))
         with attention_backend(args.attention_backend, self.device):
             losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
                                      grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
         if trace is not None:
             write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: _print_rank(self.rank, 0, s))
-        self.optimizer.finish_grad_sync()
-        ok, grad_norm = self.optimizer.step(*learning_rates(self.scheduler, args))
-        return losses, ok, grad_norm
+        loss = self._local_loss(losses)
+        agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._exit_flags(),
+                                      count_zeros=with_loss and bool(getattr(args, "log_num_zeros_in_grad", False)))
+        ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler, args))
+        return loss, ok, grad_norm, agreed
+
+    def _exit_flags(self) -> tuple[bool, bool] | None:
+        """This rank's (exit signal received, ``--exit-duration-in-mins`` passed), or None when
+        neither can stop the run (no per-iteration agreement needed)."""
+        args = self.args
+        if self.exit_signal is None and args.exit_duration_in_mins is None:
+            return None
+        minutes = (time.time() - self.start_time) / 60.0
+        return (self.exit_signal is not None and self.exit_signal.received,
+                args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins)
 
     def _local_loss(self, losses) -> torch.Tensor | None:
         """This rank's mean micro-batch loss of one step (last stage only; no communication)."""
@@ -94,7 +112,7 @@ class Trainer(TrainerLogging):
         if self.topo.dp > 1:
             dist.all_reduce(total, group=self.topo.dp_group)
             total /= self.topo.dp
-        return total.item()
+        return self.optimizer.host.read(total)[0]
 
     def evaluate(self, dataset=None, start: int | None = None) -> float | None:
         """Mean loss over ``--eval-iters`` global batches of ``dataset`` (default: the validation
@@ -129,6 +147,7 @@ class Trainer(TrainerLogging):
         host copies; a new save (or the end of :meth:`train`) first finishes the previous one."""
         args = self.args
         self.finish_save()
+        self.optimizer.wait_params()
         t0 = time.time()
         pending = start_save(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                              scheduler_state=self.scheduler.state_dict(),
@@ -160,6 +179,7 @@ class Trainer(TrainerLogging):
         Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
         this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
         args = self.args
+        self.optimizer.wait_params()
         loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                           layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
                           load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
@@ -180,24 +200,34 @@ class Trainer(TrainerLogging):
     def train(self, exit_signal: ExitSignal | None) -> None:
         """Iterate to ``--train-iters``; ``exit_signal`` (``--exit-signal-handler``) makes every rank
         save and return at the end of the iteration in which any rank received the signal. Logged
-        every ``--log-interval`` iterations as Megatron's ``training_log``."""
+        every ``--log-interval`` iterations as Megatron's ``training_log``; one host read per
+        iteration (the packed scalars of :mod:`.agree`)."""
         args = self.args
-        self.first_iteration = self.iteration
+        self.first_iteration, self.exit_signal = self.iteration, exit_signal
         it = self._micro_batches(self.train_ds, self.consumed_samples)
         log_start = time.time()
         while self.iteration < args.train_iters:
-            losses, ok, grad_norm = self.train_step([next(it) for _ in range(args.num_micro_batches)])
-            loss = self._local_loss(losses)
-            self.stats.add(ok, loss, loss_is_nan=not ok and self._loss_not_finite(loss))
+            log_due = (self.iteration + 1) % args.log_interval == 0
+            tb_due = bool(args.tensorboard_dir) and (self.iteration + 1) % args.tensorboard_log_interval == 0
+            # fp16: a skipped step's DP-wide loss check travels in the same packed all-reduce
+            loss, ok, grad_norm, agreed = self.train_step([next(it) for _ in range(args.num_micro_batches)],
+                                                          with_loss=log_due or tb_due or args.fp16)
+            bad = agreed.loss_not_finite if agreed.loss_not_finite is not None else self._loss_not_finite(loss, ok)
+            self.stats.add(ok, None, loss_is_nan=not ok and bad)
             self._count_step(ok, grad_norm)
             grad_norm = grad_norm if ok else None  # Megatron's optimizer reports no norm for a skipped step
-            self._tensorboard_step(loss, grad_norm)
-            if self.iteration % args.log_interval == 0:
-                self._log((time.time() - log_start) / self.stats.iterations, grad_norm)
+            if tb_due:
+                self._tensorboard_step(agreed.loss, grad_norm)
+            if log_due:
+                self._log((time.time() - log_start) / self.stats.iterations, grad_norm,
+                          agreed.loss_before + (agreed.loss if ok else 0.0))
+                self.agreement.reset_interval()
                 log_start = time.time()
+            elif ok:
+                self.agreement.add_applied(loss)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
                 self._log_validation(self.evaluate())
-            if self._save_or_exit(exit_signal):
+            if self._save_or_exit(agreed):
                 self.finish_save()
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
@@ -218,15 +248,16 @@ class Trainer(TrainerLogging):
         if self.test_ds is not None:
             self._log_validation(self.evaluate(self.test_ds, 0), where=" on test set", tensorboard=False)
 
-    def _loss_not_finite(self, loss) -> bool:
+    def _loss_not_finite(self, loss, ok: bool) -> bool:
         """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
-        DP-reduced loss); the last stage only, and only on skipped steps."""
-        if loss is None:
+        DP-reduced loss); the last stage only, and only on skipped steps whose iteration did not
+        pack the loss into its agreement (an extra read, on fp16-overflow steps only)."""
+        if loss is None or ok:
             return False
         bad = (~torch.isfinite(loss)).float().reshape(1)
         if self.topo.dp > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_group)
-        return bool(bad.item())
+        return bool(self.optimizer.host.read(bad)[0])
 
     def _count_step(self, ok: bool, grad_norm) -> None:
         """After a step: iteration and sample counters; the LR schedule advances only on an
@@ -244,19 +275,12 @@ class Trainer(TrainerLogging):
             if grad_norm is not None and not math.isfinite(grad_norm):
                 self.nans += 1
 
-    def _save_or_exit(self, exit_signal: ExitSignal | None) -> bool:
+    def _save_or_exit(self, agreed) -> bool:
         """Save when due (``--save-interval``, a signal, ``--exit-interval``,
-        ``--exit-duration-in-mins``); True to stop now. With a signal handler or a duration, one
-        all-reduce (MAX) of the two flags per iteration makes every rank agree."""
+        ``--exit-duration-in-mins``); True to stop now. The two exit flags were agreed on in the
+        iteration's packed all-reduce (:mod:`.agree`)."""
         args = self.args
-        signalled = timed_out = False
-        if exit_signal is not None or args.exit_duration_in_mins is not None:
-            minutes = (time.time() - self.start_time) / 60.0
-            flag = torch.tensor([int(exit_signal is not None and exit_signal.received),
-                                 int(args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins)],
-                                dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signalled, timed_out = (bool(v) for v in flag.tolist())
+        signalled, timed_out = agreed.signalled, agreed.timed_out
         if timed_out and not signalled:
             _print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
                                       f"--exit-duration-in-mins {args.exit_duration_in_mins}")

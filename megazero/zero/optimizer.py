@@ -16,6 +16,12 @@ Calling sequence per iteration (any pipeline schedule; no ``no_sync`` protocol):
     opt.finish_grad_sync()                 (waits; reduces what never became ready; tied weights)
     ok, grad_norm = opt.step(lr)           (unscale, inf check, norm, clip, AdamW, write back)
 
+or, where the caller packs the norm with its own per-iteration scalars into one all-reduce::
+
+    partial = opt.grad_partials(over_world=True)      (device tensor, no collective)
+    ... all-reduce [partial, loss, flags, ...] once, read it on the host once ...
+    ok, grad_norm = opt.apply_step(total_sq, lr)
+
 The only host sync in ``step`` is reading the one all-reduced scalar (sum of squared gradients,
 inf/NaN if any rank overflowed) that decides skip-or-step identically on every rank.
 """
@@ -24,23 +30,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
+from megazero.parallel.host_reads import HostReads
+
+from .adam_slices import ADAM_SLICE, shard_slices
 from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
 from .region import Region
-from .regions import RegionContext, build_regions, buckets, cast_params, split_shard_ranges, trainable_params
+from .regions import RegionContext, build_regions, cast_params, split_shard_ranges, trainable_params
+from .param_sync import ParamSync
 from .stage3 import ParamGatherer
+from .accounting import StateAccounting
 from .state import ShardState
 
-_buckets = buckets  # the old private name, still imported by tests/zero/test_deepspeed_config.py
 
-
-class ZeroOptimizer(ShardState):
+class ZeroOptimizer(ShardState, StateAccounting):
     """See the module docstring and docs/zero.md.  ``model_chunks``: a module or list of them
     (virtual pipeline chunks); ``shared_params``: ``[(param, process_group)]`` whose gradients are
     summed over the group before DP reduction (same order on every member; the norm counts them
@@ -53,7 +61,10 @@ class ZeroOptimizer(ShardState):
     ``param_init``/``device``: for chunks built on the meta device (``ModelStages.param_init``),
     each parameter's initial value and where to put it; each region materializes its own
     parameters, so at stage 3 no rank holds more than one unit's full parameters while building
-    (``build_peak_unit_bytes``)."""
+    (``build_peak_unit_bytes``). ``overlap_param_gather``: the stage 1/2 parameter all-gather
+    of a step stays in flight until the next forward needs each bucket
+    (:class:`~.param_sync.ParamSync`). ``host_reads``: the :class:`HostReads` counter every
+    device-to-host read of :meth:`step` goes through (shared with the training loop)."""
 
     def __init__(self, model_chunks, topo, *, stage: int = 0, num_micro_batches: int = 1, lr: float = 1e-4,
                  weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
@@ -65,7 +76,7 @@ class ZeroOptimizer(ShardState):
                  prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None,
-                 param_init=None, device=None):
+                 param_init=None, device=None, overlap_param_gather: bool = False, host_reads=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -103,6 +114,11 @@ class ZeroOptimizer(ShardState):
                                           max_live_parameters=max_live_parameters,
                                           max_reuse_distance=max_reuse_distance, overlap=overlap_comm)
         self._hooks = self._register_hooks(chunks)
+        self.host = host_reads if host_reads is not None else HostReads()
+        self._scale_tensor = None  # the loss scale on the device (see loss_scale)
+        self._grads = None  # unscaled fp32 gradients between grad_partials and apply_step
+        gathered = [r for r in self.regions if r.stage in (1, 2, 3) and not r.partitioned]
+        self.param_sync = ParamSync(chunks, self.regions) if overlap_param_gather and gathered else None
         self._inflight = []
         self._max_inflight = 4 if stage >= 2 else 1 << 30
         self._synced = False
@@ -129,7 +145,9 @@ class ZeroOptimizer(ShardState):
     @property
     def loss_scale(self) -> torch.Tensor:
         """The factor the schedule multiplies the loss gradient by (fp16 dynamic; else constant)."""
-        return torch.tensor(self.scaler.scale, dtype=torch.float32, device=self.device)
+        if self._scale_tensor is None:
+            self._scale_tensor = torch.empty((), dtype=torch.float32, device=self.device)
+        return self._scale_tensor.fill_(self.scaler.scale)  # a device fill, not a host-to-device copy
 
     def _grad_hook(self, r: Region, i: int):
         def hook(p):
@@ -174,27 +192,59 @@ class ZeroOptimizer(ShardState):
         ids = {id(p) for p in params}
         self._lr_ranges = [split_shard_ranges(r, ids) for r in self.regions]
 
-    def step(self, lr: float | None = None, decoupled_lr: float | None = None):
-        """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back.
+    @property
+    def norm_group(self) -> str:
+        """The group over which the partial sums of :meth:`grad_partials` add up to the global
+        norm: ``mp`` at stage 0 (every DP replica holds the same all-reduced gradients), else
+        ``world``."""
+        return "mp" if self.stage == 0 else "world"
 
-        ``decoupled_lr``: the rate of the parameters given to :meth:`set_decoupled_params` (their
-        weight decay ``p *= 1 - lr * wd`` too, as a torch param group's); None: ``lr`` for all.
-        Returns ``(True, grad_norm)``, or ``(False, inf or nan)`` when the step was skipped.
-        """
+    def grad_partials(self, over_world: bool = False, count_zeros: bool = False) -> torch.Tensor:
+        """Unscale the gradients (``g /= scale * DP``: mean over DP of the seeded loss gradient)
+        and return this rank's partial ``[sum(g^2)]`` (``[sum(g^2), zeros]`` with
+        ``count_zeros``: Megatron's ``--log-num-zeros-in-grad``) as a device tensor: no
+        collective, no host read. Each parameter is counted on one rank of its TP/shared group;
+        ``over_world`` (the caller sums over the whole world, not :attr:`norm_group`): at stage 0
+        only DP rank 0 counts, so the world sum equals the model-parallel one."""
         self.finish_grad_sync()
-        lr = self.lr if lr is None else lr
         grads = [r.grad32() for r in self.regions]
         torch._foreach_mul_(grads, 1.0 / (self.scaler.scale * self.topo.dp))
-        sq = sum_of_squares([g[a:b] for r, g in zip(self.regions, grads) for a, b in r.norm_segments], self.device)
-        sq = sq.reshape(1)
-        self.comm.all_reduce(sq, "mp" if self.stage == 0 else "world", async_op=False)
-        total = sq.item()  # the one host sync: every rank reads the same all-reduced value
-        if not math.isfinite(total):
+        self._grads = grads
+        pieces = [g[a:b] for r, g in zip(self.regions, grads) for a, b in r.norm_segments]
+        parts = [sum_of_squares(pieces, self.device).reshape(1)]
+        if count_zeros:
+            from .norms import count_zeros as zeros_of
+            parts.append(zeros_of(pieces, self.device).reshape(1).float())
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if over_world and self.stage == 0 and self.topo.dp_rank != 0:
+            out.zero_()
+        return out
+
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None):
+        """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back:
+        :meth:`grad_partials`, one all-reduce over :attr:`norm_group`, one host read, then
+        :meth:`apply_step` (the training loop packs the partials with its own scalars instead).
+        Returns ``(True, grad_norm)``, or ``(False, inf or nan)`` when the step was skipped."""
+        sq = self.grad_partials()
+        self.comm.all_reduce(sq, self.norm_group, async_op=False)
+        return self.apply_step(self.host.read(sq)[0], lr, decoupled_lr)
+
+    def apply_step(self, total_sq: float, lr: float | None = None, decoupled_lr: float | None = None):
+        """The step after :meth:`grad_partials`, given ``total_sq`` = the all-reduced sum of
+        squared gradients (identical on every rank, so every rank skips or steps alike): skip
+        on inf/NaN (fp16 overflow), else clip by ``min(1, clip / (norm + 1e-6))``, AdamW and
+        the write-back of the parameters (with overlap: left in flight until the next forward).
+
+        ``decoupled_lr``: the rate of the parameters given to :meth:`set_decoupled_params` (their
+        weight decay ``p *= 1 - lr * wd`` too, as a torch param group's); None: ``lr`` for all."""
+        grads, self._grads = self._grads, None
+        lr = self.lr if lr is None else lr
+        if not math.isfinite(total_sq):
             self.skipped_iterations += 1
-            self.nan_iterations += int(math.isnan(total))
+            self.nan_iterations += int(math.isnan(total_sq))
             self._end_step(found_inf=True)
-            return False, total
-        norm = math.sqrt(total)
+            return False, total_sq
+        norm = math.sqrt(total_sq)
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
             if coef < 1.0:
@@ -204,14 +254,35 @@ class ZeroOptimizer(ShardState):
         if decoupled_lr is not None and self._lr_ranges is not None:
             groups = [(lr, [main for main, _ in self._lr_ranges]), (decoupled_lr, [d for _, d in self._lr_ranges])]
         for group_lr, ranges in groups:
-            for lists, decay_grads in _slices(self.regions, grads, ADAM_SLICE, ranges):
+            for lists, decay_grads in shard_slices(self.regions, grads, ADAM_SLICE, ranges):
                 adamw_step(*lists, step=self.iteration, lr=group_lr, betas=self.betas, eps=self.eps,
                            decay_grads=decay_grads, weight_decay=self.weight_decay,
                            decoupled=self.decoupled_weight_decay)
-        for pending in [r.write_back(async_op=True) for r in self.regions]:
-            pending.wait()
+        if self.param_sync is not None:
+            self.param_sync.launch(self.regions)
+        else:
+            for pending in [r.write_back(async_op=True) for r in self.regions]:
+                pending.wait()
         self._end_step(found_inf=False)
         return True, norm
+
+    def wait_params(self) -> None:
+        """Finish the parameter all-gathers still in flight (``--overlap-param-gather``) before
+        parameters are read or written outside a forward: saving, loading, inspection."""
+        if self.param_sync is not None:
+            self.param_sync.wait_all()
+
+    def set_num_micro_batches(self, m: int) -> None:
+        """A new number of micro-batches per step (a batch-size schedule): the regions that
+        reduce after the M-th accumulation (stages 0/1, persistent and shared ones) now reduce
+        after the ``m``-th. Call between steps."""
+        m = int(m)
+        if m == self.M:
+            return
+        for r in self.regions:
+            if r.persistent_grad:  # the full gradient stays until the step: reduced after M
+                r.flush_every = m
+        self.M = m
 
     def _end_step(self, found_inf: bool) -> None:
         for r in self.regions:
@@ -224,23 +295,10 @@ class ZeroOptimizer(ShardState):
                           "dp_primitive_multiple": sum(v["primitive_elems"] for v in dp) / self.phi}
 
     # ---- accounting, inspection, state -----------------------------------------------------
-    def state_bytes(self) -> dict:
-        """Model-state bytes on this rank and the ZeRO paper's formula for this stage."""
-        tot = defaultdict(int)
-        for r in self.regions:
-            for k, v in r.state_bytes().items():
-                tot[k] += v
-        tot = dict(tot, total=sum(tot.values()))
-        p = torch.empty((), dtype=self.params_dtype).element_size()
-        g = torch.empty((), dtype=self.grad_dtype).element_size()
-        phi, n = self.phi, self.topo.dp
-        formula = [(p + g + 12) * phi, (p + g) * phi + 12 * phi / n, p * phi + (g + 12) * phi / n,
-                   (p + g + 12) * phi / n][self.stage]
-        return dict(tot, formula=formula, phi=phi, dp=n, param_bytes=p, grad_bytes=g)
-
     @contextlib.contextmanager
     def gathered_params(self):
         """Stage 3: materialize every parameter (e.g. to read or save them); no-op otherwise."""
+        self.wait_params()
         if self.gatherer is None:
             yield
             return
@@ -260,52 +318,15 @@ class ZeroOptimizer(ShardState):
     def reload_model_params(self) -> None:
         """Re-read the fp32 master shards from the parameters (done automatically after a
         chunk's ``load_state_dict``; stage 3 reads released units from their parameter shards)."""
+        self.wait_params()
         for r in self.regions:
             r.reload_master()
-
-    def comm_scalars(self) -> dict:
-        """TensorBoard scalars of the last step's accounting."""
-        c = self.last_comm
-        if not c:
-            return {}
-        return {"zero/comm-multiple": c["dp_logical_multiple"], "zero/primitive-multiple": c["dp_primitive_multiple"],
-                "zero/state-bytes": float(self.state_bytes()["total"])}
 
     def close(self) -> None:
         """Remove every hook this optimizer registered."""
         for h in self._hooks:
             h.remove()
+        if self.param_sync is not None:
+            self.param_sync.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
-
-
-ADAM_SLICE = 1 << 24  # elements per AdamW call: its temporaries (the denominator) stay <= 64 MB
-
-
-def _slices(regions, grads, size: int, ranges):
-    """``adamw_step``'s positional lists and its ``decay_grads``, over consecutive pieces of about
-    ``size`` elements of the regions' shards (``ranges``: per region, the ``[a, b)`` ranges to
-    cover). AdamW is elementwise, so the pieces give the same bits as one call over everything,
-    with temporaries of one piece instead of the whole shard."""
-    pieces = [(r, g, lo, min(lo + size, b)) for r, g, rr in zip(regions, grads, ranges) for a, b in rr
-              for lo in range(a, b, size)]
-    batch, n = [], 0
-    for piece in pieces + [None]:
-        if batch and (piece is None or n + piece[3] - piece[2] > size):
-            yield _adam_lists(batch)
-            batch, n = [], 0
-        if piece is not None:
-            batch.append(piece)
-            n += piece[3] - piece[2]
-
-
-def _adam_lists(batch):
-    """``((params, grads, exp_avgs, exp_avg_sqs, decay views), decay_grads)`` of
-    ``[(region, grad, lo, hi)]``: shard pieces ``[lo, hi)`` and the decayed segments inside them."""
-    cut = [(r, g, lo, hi, [(max(a, lo), min(b, hi)) for a, b in r.decay_segments if max(a, lo) < min(b, hi)])
-           for r, g, lo, hi in batch]
-    lists = ([r.master[lo:hi] for r, _, lo, hi, _ in cut], [g[lo:hi] for _, g, lo, hi, _ in cut],
-             [r.exp_avg[lo:hi] for r, _, lo, hi, _ in cut], [r.exp_avg_sq[lo:hi] for r, _, lo, hi, _ in cut],
-             [r.master[a:b] for r, _, _, _, segs in cut for a, b in segs])
-    return lists, [g[a:b] for _, g, _, _, segs in cut for a, b in segs]
-

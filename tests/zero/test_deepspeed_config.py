@@ -17,7 +17,7 @@ from megazero.parallel.topology import Topology
 from megazero.training.lr_schedule import DeepSpeedLRScheduler, build_lr_scheduler
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, find_units
 from megazero.zero.adamw import adamw_step
-from megazero.zero.optimizer import _buckets
+from megazero.zero.regions import buckets as _buckets
 
 from .common import Net, batches, launch, max_rel, reference
 
