@@ -6,8 +6,9 @@ for field, so existing log parsers keep working::
      iteration      100/    1000 | consumed samples:         3200 | elapsed time per iteration (ms): 512.3 | ...
 
 TensorBoard scalars use Megatron's names (``lm loss``, ``learning-rate``, ``loss-scale``,
-``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``, ``lm loss validation``,
-``lm loss validation ppl``), each also written as ``<name> vs samples`` against consumed samples.
+``grad-norm``, ``num-zeros``, ``params-norm``, ``batch-size``, ``iteration-time``, ``throughput``,
+``lm loss validation``, ``lm loss validation ppl``), each also written as ``<name> vs samples``
+against consumed samples; with ``--wandb-project`` the same names go to Weights & Biases.
 
 Model FLOPs per iteration (Megatron's formula; forward + backward = 3 forward passes, 2 FLOPs per
 multiply-add, causal attention counted in full)::
@@ -22,6 +23,7 @@ Throughput per GPU = F / (iteration time * world size) in TFLOP/s.
 from __future__ import annotations
 
 import math
+import os
 
 
 def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
@@ -38,10 +40,13 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, i
                    tflops_per_gpu: float | None, lr: float | None, global_batch_size: int, losses: dict[str, float],
                    loss_scale: float, grad_norm: float | None, skipped: int, nans: int,
                    timestamp: str | None = None, params_norm: float | None = None,
-                   decoupled_lr: float | None = None) -> str:
+                   decoupled_lr: float | None = None, num_zeros: float | None = None) -> str:
     """Megatron's per-iteration log line (core_v0.15.0 ``training_log``): ``timestamp`` as
     `` [%Y-%m-%d %H:%M:%S]`` first; throughput only with ``--log-throughput``
-    (``tflops_per_gpu`` not None); ``losses`` may be empty (no successful step yet)."""
+    (``tflops_per_gpu`` not None); ``losses`` may be empty (no successful step yet);
+    ``global_batch_size``: the size of the iteration just run; ``num_zeros``
+    (``--log-num-zeros-in-grad``, None for a skipped step) printed as Megatron's float (``12.0``)
+    and ``params_norm`` (``--log-params-norm``) after the grad norm."""
     parts = [f" [{timestamp}]"] if timestamp is not None else []
     parts += [f" iteration {iteration:8d}/{train_iters:8d} |",
               f" consumed samples: {consumed_samples:12d} |",
@@ -57,6 +62,8 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, i
     parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f} |")
+    if num_zeros is not None:
+        parts.append(f" num zeros: {float(num_zeros)} |")
     if params_norm is not None:
         parts.append(f" params norm: {params_norm:.3f} |")
     parts += [f" number of skipped iterations: {skipped:3d} |", f" number of nan iterations: {nans:3d} |"]
@@ -114,20 +121,24 @@ def validation_line(iteration: int, loss: float, split: str = "validation", wher
 
 
 class TensorBoardLogger:
-    """One ``SummaryWriter`` (created only on the rank that owns the loss) with paired scalars."""
+    """One ``SummaryWriter`` (created only on the rank that owns the loss) with paired scalars, and
+    the W&B run of :func:`open_wandb` beside it: every scalar also goes to ``wandb.log({name:
+    value, "samples vs steps": consumed}, step=iteration)`` (Megatron's names; W&B gets no
+    ``vs samples`` copies, as Megatron's ``training_log``)."""
 
-    def __init__(self, log_dir: str | None, enabled: bool, max_queue: int = 1000):
-        self.writer = None
+    def __init__(self, log_dir: str | None, enabled: bool, max_queue: int = 1000, wandb=None):
+        self.writer, self.wandb = None, wandb
         if log_dir and enabled:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
     def scalars(self, values: dict[str, float], iteration: int, consumed_samples: int) -> None:
+        values = {name: value for name, value in values.items() if value is not None}
+        if self.wandb is not None and values:
+            self.wandb.log({**values, "samples vs steps": consumed_samples}, step=iteration)
         if self.writer is None:
             return
         for name, value in values.items():
-            if value is None:
-                continue
             self.writer.add_scalar(name, value, iteration)
             self.writer.add_scalar(f"{name} vs samples", value, consumed_samples)
 
@@ -142,3 +153,38 @@ class TensorBoardLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def open_wandb(args, rank: int, world_size: int, print_fn=print):
+    """Megatron's W&B writer (core_v0.19.0 ``megatron/training/global_vars.py``
+    ``_set_wandb_writer``): with ``--wandb-project``, on the last rank only, ``wandb.init(dir=
+    --wandb-save-dir or <--save>/wandb, name=--wandb-exp-name, project=--wandb-project,
+    config=the flags, entity=--wandb-entity if given)``; returns the ``wandb`` module (for
+    :class:`TensorBoardLogger`) or None. Without the ``wandb`` package (optional extra
+    ``megazero[wandb]``) the flags have no effect and rank 0 prints one line saying so. As in
+    Megatron, scalars reach W&B where TensorBoard's are written (give ``--tensorboard-dir`` too)."""
+    project = getattr(args, "wandb_project", None)
+    if not project or rank not in (0, world_size - 1):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        if rank == 0:
+            print_fn(f"> --wandb-project {project}: the wandb package is not installed, nothing is sent to "
+                     "Weights & Biases (pip install 'megazero[wandb]'; TensorBoard holds the same scalars)")
+        return None
+    if rank != world_size - 1:
+        return None
+    save_dir = getattr(args, "wandb_save_dir", None) or (os.path.join(args.save, "wandb") if args.save else None)
+    flags = args.as_dict() if hasattr(args, "as_dict") else dict(vars(args))
+    kwargs = dict(dir=save_dir, name=getattr(args, "wandb_exp_name", None), project=project,
+                  config={k: v if isinstance(v, (bool, int, float, str, type(None), list, tuple)) else str(v)
+                          for k, v in flags.items()})
+    if getattr(args, "wandb_entity", None):
+        kwargs["entity"] = args.wandb_entity
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    wandb.init(**kwargs)
+    return wandb
