@@ -49,3 +49,15 @@ def params_sum_of_squares(regions, params_dtype: torch.dtype, device=None) -> to
         for i in range(0, p.numel(), SLICE):
             total += torch.linalg.vector_norm(p[i:i + SLICE].to(torch.float16), dtype=torch.float32).square()
     return total
+
+
+def params_sq(optimizer, over_world: bool = False) -> torch.Tensor:
+    """This rank's partial ``sum w^2`` of a :class:`ZeroOptimizer` (shape [1], fp32, on its device)
+    to be summed over ``optimizer.norm_group``; ``over_world``: summed over the whole world
+    instead, so at stage 0 only DP rank 0 contributes (as ``grad_partials``). Reads the fp32
+    masters, which are current after ``apply_step`` even while an overlapped parameter all-gather
+    is still in flight."""
+    out = params_sum_of_squares(optimizer.regions, optimizer.params_dtype, optimizer.device).reshape(1)
+    if over_world and optimizer.stage == 0 and optimizer.topo.dp_rank != 0:
+        out.zero_()
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
-from megazero.zero.norms import count_zeros, params_sum_of_squares
+from megazero.zero.norms import count_zeros, params_sq, params_sum_of_squares
 from tests.zero.gpt_helpers import CFG, args_for, gpt_batches, gpt_reference
 
 M = 2
@@ -45,10 +45,12 @@ def _run(rank, world, layouts, data):
         opt.finish_grad_sync()
         zeros = count_zeros([r.grad32()[a:b] for r in opt.regions for a, b in r.norm_segments]).float().reshape(1)
         opt.step()
-        sq = params_sum_of_squares(opt.regions, torch.float32).reshape(1)
+        sq, sq_world = params_sq(opt), params_sq(opt, over_world=True)
         group = "mp" if stage == 0 else "world"  # ZeroOptimizer's norm group
         for t in (zeros, sq):
             opt.comm.all_reduce(t, group, async_op=False)
+        opt.comm.all_reduce(sq_world, "world", async_op=False)
+        assert sq_world.item() == sq.item()
         out.append(((tp, pp, stage, tied), zeros.item(), sq.item()))
         opt.close()
     return out
