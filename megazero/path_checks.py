@@ -7,7 +7,7 @@ message lists every problem. Nothing is created or written here (``--save`` is c
 its nearest existing parent is a folder this process may create entries in.
 
 * ``--save``: a folder, or creatable; writable (``os.access``, which also answers ``EROFS`` for
-  a read-only file system); not on a pseudo file system (``/proc``, ``/sys``, ``/dev``), where
+  a read-only file system); not on a pseudo file system (``/proc``, ``/sys``), where
   ``mkdir`` fails whoever runs it.
 * ``--load``: when it exists, a folder this process can list and read (a ``--load`` that does not
   exist yet is Megatron's first run of a requeue script: a warning later, not an error).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-PSEUDO_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
 NEEDS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
          "GPTSentencePieceTokenizer": ("tokenizer_model",), "Llama2Tokenizer": ("tokenizer_model",),
          "HuggingFaceTokenizer": ("tokenizer_model",)}

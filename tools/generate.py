@@ -18,6 +18,11 @@ Decoding (:mod:`megazero.model.generation`): greedy by default; ``--temperature`
 ``--top-p`` switch to sampling from a generator seeded by ``--seed`` on the all-gathered logits,
 identical on all TP ranks. Rows stop at the tokenizer's eod; a batch stops when every row has,
 or after ``--max-new-tokens``. Rank 0 prints each completion and the tokens/s.
+
+A bad input (a missing ``--load`` folder, an iteration it does not hold, ``--top-k -5``, a prompt
+longer than the model's positions, an unreadable ``--prompt-file``) ends with one
+``generate.py: error: ...`` line, exit status 1 (2 for flags); ``--debug`` or ``MEGAZERO_DEBUG=1``
+shows the traceback.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megazero.checkpoint import CheckpointError  # noqa: E402
+from megazero.failures import debug_requested, describe  # noqa: E402
 from megazero.model import GPTConfig, GPTModel  # noqa: E402
 from megazero.model.generation import generate  # noqa: E402
 
@@ -65,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="NullTokenizer's vocabulary (default: the model's); prompts are then ids, e.g. '5 17 3'")
     p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    p.add_argument("--debug", action="store_true", help="print the traceback of a failure (also MEGAZERO_DEBUG=1)")
     args = p.parse_args(argv)
+    _check_values(p, args)
     sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     if args.greedy and sampling:
         p.error("--greedy excludes --temperature / --top-k / --top-p")
@@ -74,11 +83,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.top_k = args.top_k or 0
     args.top_p = 1.0 if args.top_p is None else args.top_p
     if args.prompt_file:
-        with open(args.prompt_file) as f:
-            args.prompt += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompt_file) as f:
+                args.prompt += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--prompt-file {args.prompt_file}: {(getattr(e, 'strerror', None) or str(e)).lower()}")
     if not args.prompt:
         p.error("give --prompt and/or --prompt-file")
     return args
+
+
+def _check_values(p: argparse.ArgumentParser, args) -> None:
+    """Sampling settings and sizes in range, named by their flags (``p.error``: status 2)."""
+    problems = [f"{flag} must be {rule}, got {value}" for flag, value, ok, rule in (
+        ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, ">= 0 (0: no top-k filter)"),
+        ("--top-p", args.top_p, args.top_p is None or 0.0 < args.top_p <= 1.0, "in (0, 1]"),
+        ("--temperature", args.temperature, args.temperature is None or args.temperature > 0, "> 0 (or --greedy)"),
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size, args.tensor_model_parallel_size >= 1, ">= 1"),
+    ) if not ok]
+    if problems:
+        p.error("; ".join(problems))
+
+
+def check_load(load_dir: str, iteration: int | None) -> None:
+    """``--load`` is a folder holding a checkpoint, and ``--iteration`` one of its iterations."""
+    from megazero.checkpoint.schema import LATEST, iteration_dir
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: {'not a folder' if os.path.exists(load_dir) else 'no such folder'}")
+    if iteration is not None and not os.path.isdir(iteration_dir(load_dir, iteration)):
+        saved = sorted(int(n[5:]) for n in os.listdir(load_dir) if n.startswith("iter_") and n[5:].isdigit())
+        raise CheckpointError(f"--load {load_dir} holds no iteration {iteration} (saved: "
+                              f"{', '.join(map(str, saved)) or 'none'}; {LATEST} names the latest)")
+
+
+def check_prompts(ids: list[list[int]], texts: list[str], limit: int, start: int) -> None:
+    """Every prompt fits the model's ``limit`` positions (the learned position table, or the
+    sequence length a rope model was trained at)."""
+    for i, (row, text) in enumerate(zip(ids, texts)):
+        if len(row) > limit:
+            raise ValueError(f"prompt {start + i + 1} ({text[:30]!r}...) has {len(row)} tokens; the model takes at "
+                             f"most {limit} positions (max_position_embeddings): shorten it")
 
 
 def build_topology(tp: int, backend: str | None):
@@ -136,13 +182,26 @@ def build_tokenizer_from(saved: dict, args, load_dir: str):
 
 
 def main(argv=None) -> list[str]:
-    """Run generation; returns the completions (every rank) and prints them on rank 0."""
+    """Run generation; returns the completions (every rank) and prints them on rank 0. A failure
+    raises ``SystemExit("generate.py: error: ...")`` (one line, status 1) unless debugging."""
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
+        if debug_requested(args.debug):
+            raise
+        plain = isinstance(e, (CheckpointError, ValueError))  # worded here: the flag, the file, the numbers
+        raise SystemExit(f"generate.py: error: {e if plain else describe(e)}") from None
+
+
+def run(args) -> list[str]:
+    """Generation for parsed ``args`` (see :func:`main`)."""
     topo, device = build_topology(args.tensor_model_parallel_size, args.distributed_backend)
     rank0 = topo is None or topo.rank == 0
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
+    check_load(args.load, args.iteration)
     model, reader = load_model(args.load, topo, device, args.iteration, args.params_dtype)
     tok = build_tokenizer_from(reader.args, args, args.load)
     eod = getattr(tok, "eod", None)
@@ -158,6 +217,7 @@ def main(argv=None) -> list[str]:
     for start in range(0, len(args.prompt), args.batch_size):
         texts = args.prompt[start:start + args.batch_size]
         ids = [tok.tokenize(t) or [eod] for t in texts]
+        check_prompts(ids, texts, model.config.max_position_embeddings, start)
         res = generate(model, ids, args.max_new_tokens, eod=eod, greedy=args.greedy, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed + start, use_cache=not args.no_kv_cache)
         new_tokens += res.new_tokens

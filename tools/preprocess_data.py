@@ -40,6 +40,7 @@ except ImportError:  # run from a checkout without installing
 
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from megazero.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megazero.failures import debug_requested, describe  # noqa: E402
 
 BATCH_LINES = 64
 
@@ -64,6 +65,7 @@ def get_args(argv=None):
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     g.add_argument("--log-interval", type=int, default=1000, help="print progress every this many documents")
+    g.add_argument("--debug", action="store_true", help="print the traceback of a failure (also MEGAZERO_DEBUG=1)")
     return p.parse_args(argv)
 
 
@@ -283,8 +285,10 @@ def main(argv=None) -> int:
     except SystemExit as e:
         print(e.code, file=sys.stderr)
         return 1
-    except OSError as e:  # a full disk, a read-only folder: one line, nothing left behind
-        print(f"error: {e.filename or args.output_prefix}: {e.strerror or e}", file=sys.stderr)
+    except Exception as e:  # a full disk, a read-only folder, a tokenizer file: one line, nothing left behind
+        if debug_requested(args.debug):
+            raise
+        print(f"error: {describe(e, default_file=args.output_prefix + '_*')}", file=sys.stderr)
         return 1
     rate = s["bytes"] / max(s["seconds"], 1e-9) / 1e6
     print(f"Done: {s['documents']} documents, {s['tokens']} tokens ({s['dtype']}), "

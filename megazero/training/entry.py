@@ -1,6 +1,8 @@
 """``pretrain``: the entry point of ``pretrain_gpt.py`` around :func:`setup` and
-:meth:`Trainer.train` -- signal handlers, the one-line reports of checkpoint and data errors,
-and the teardown of the process group on the way out."""
+:meth:`Trainer.train` -- signal handlers, the one-line reports of failures (checkpoint and data
+errors as they are worded; anything else by :mod:`megazero.failures`: the file and the cause of an
+``OSError`` such as a full disk, else the exception and the line that raised it; the traceback
+only with ``--debug`` or ``MEGAZERO_DEBUG=1``), and the teardown of the process group on the way out."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointError
 from megazero.data.indexed_dataset import DataError
+from megazero.failures import debug_requested, report
 from megazero.training.build import setup
 from megazero.training.signals import ExitSignal
 
@@ -20,25 +23,25 @@ from megazero.training.signals import ExitSignal
 def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
 
-    Errors are printed with the failing rank; a checkpoint problem prints one line naming the
-    file. The process group is torn down on the way out, so peers see a closed connection
-    instead of waiting for the collective timeout.
+    Errors are printed with the failing rank, as one line naming the file and the cause (the
+    traceback too with ``--debug`` or ``MEGAZERO_DEBUG=1``). The process group is torn down on
+    the way out, so peers see a closed connection instead of waiting for the collective timeout.
     """
     signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[args.exit_signal.upper()]}
     exit_signal = ExitSignal.install(sorted(signums)) if args.exit_signal_handler else None
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    debug = debug_requested(getattr(args, "debug", False))
     try:
         trainer = setup(args, model_provider, forward_step_func)
         trainer.train(exit_signal)
         trainer.tb.close()
-    except CheckpointError as e:
-        print(f"rank {rank}: checkpoint error: {e}", file=sys.stderr, flush=True)
+    except (CheckpointError, DataError) as e:  # worded for the user already: the file and the cause
+        kind = "checkpoint error" if isinstance(e, CheckpointError) else "data error"
+        trace = f"\n{traceback.format_exc()}" if debug else ""
+        print(f"rank {rank}: {kind}: {e}{trace}", file=sys.stderr, flush=True)
         return 1
-    except DataError as e:  # a corrupt/missing/empty dataset, an id outside the vocabulary: one line
-        print(f"rank {rank}: data error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except Exception:
-        print(f"rank {rank}: training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as e:  # a full disk outside a checkpoint, a bug: one line unless --debug
+        report(e, f"rank {rank}: training failed", debug)
         return 1
     finally:
         if dist.is_initialized():
