@@ -67,12 +67,19 @@ def with_checkpoint_tokenizer(args):
 
 
 def sample_counts(args) -> tuple[int, int, int]:
-    """(train, valid, test) samples the run will draw: ``train_iters * B``; for every validation
-    (each ``eval_interval`` iterations plus the one at the end of training) ``eval_iters * B``;
-    for the test evaluation at the end of training ``eval_iters * B`` (Megatron's counts)."""
-    train = args.train_iters * args.global_batch_size
+    """(train, valid, test) samples the run will draw: Megatron's ``get_train_valid_test_num_samples``
+    (core_v0.19.0 ``megatron/training/training.py``) with ``B = args.global_batch_size``: train
+    ``--train-samples`` or ``train_iters * B``, raised to what the batch schedule consumes in
+    ``train_iters`` iterations where that is more (a ramp-up's last ramp iteration may pass
+    ``--train-samples``, as Megatron's ``update_train_iters`` counts; a step schedule's sizes
+    are not ``B``); valid ``eval_iters * B`` for every validation (each ``eval_interval``
+    iterations plus the one at the end of training); test ``eval_iters * B``."""
+    from megazero.training.batch_schedule import BatchSchedule
+    b = args.global_batch_size
+    train = args.train_samples if args.train_samples else args.train_iters * b
+    train = max(train, BatchSchedule.from_args(args).consumed_after(args.train_iters))
     evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
-    return train, max(evals * args.eval_iters * args.global_batch_size, 1), args.eval_iters * args.global_batch_size
+    return train, max(evals * args.eval_iters * b, 1), args.eval_iters * b
 
 
 def build_datasets(args, vocab_size: int):
