@@ -5,7 +5,7 @@
 on DP rank 0 only, its optimizer shard, LR scheduler, counters, RNG; nothing gathered); rank 0
 gathers every rank's index entry (:func:`reshard.rank_index`) and writes ``metadata.json`` with
 the layout, the saved arguments and the model's aliases, so that any layout can load it.
-``start_save(..., background=True)`` writes from host copies in a thread (``--async-save``).
+``start_save(..., background=True)`` writes in a forked process (``--async-save``).
 
 :func:`load_run` (collective) reads the pointer and takes one of two paths, the same on every rank:
 
@@ -67,51 +67,50 @@ def _print0(text: str) -> None:
         print(text, flush=True)
 
 
-def _host(obj, copy: bool):
-    """``obj`` with every tensor on the CPU: one copy from an accelerator, and on the CPU a copy
-    only when ``copy`` (else the live tensor)."""
+def _host(obj):
+    """``obj`` with every tensor on the CPU: one copy from an accelerator, the live tensor on the
+    CPU (a synchronous save writes it before the next step; a background one forks first)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=copy)
+        return obj.detach().to("cpu")
     if isinstance(obj, dict):
-        return {k: _host(v, copy) for k, v in obj.items()}
+        return {k: _host(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host(v, copy) for v in obj)
+        return type(obj)(_host(v) for v in obj)
     return obj
 
 
 def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: dict, save_optim: bool,
-              save_rng: bool, copy: bool) -> dict:
-    """This rank's file: what it alone writes (schema, "Written once"), on the host; ``copy``
-    (a background save): copies the training may not touch, else the live CPU tensors (a
-    synchronous save writes them before the next step: no extra memory)."""
+              save_rng: bool) -> dict:
+    """This rank's file: what it alone writes (schema, "Written once"), on the host, without a
+    copy of what already is (no extra memory)."""
     whole = {p[1] for p in index["params"] if p[4] == schema.STORED_MODEL}
     model = [{} for _ in stages.chunks]
     for c, name, _, _, p, _ in named_parameters(stages.chunks):
         if name in whole:
-            model[c][name] = p.detach().to("cpu", copy=copy)
+            model[c][name] = p.detach().to("cpu")
     shards = [r["partitioned"] for r in index["regions"]]
     optimizer_state = None
     if save_optim:  # ZeRO 0: the replicas are DP rank 0's
-        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=False),
-                                copy)
+        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=False))
     return schema.rank_state(model, scheduler_state, counters, rng=rng_state(stages.rng_states) if save_rng else None,
                              optimizer=optimizer_state,
-                             param_shards=_host(optimizer.param_shards(copy=False), copy) if any(shards) else None)
+                             param_shards=_host(optimizer.param_shards(copy=False)) if any(shards) else None)
 
 
 def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
                consumed_samples: int, layout: dict, saved_args: dict, save_optim: bool = True,
                save_rng: bool = True, background: bool = False) -> files.PendingSave:
     """Begin saving checkpoint ``iteration`` under ``root`` (collective): snapshot this rank's
-    part to host memory, gather the index to rank 0, and write the rank file -- in a background
-    thread when ``background`` (``--async-save``). Call ``.finish()`` (collective) to publish.
+    part to host memory (copies only from an accelerator), gather the index to rank 0, and write
+    the rank file -- in a forked writer process when ``background`` (``--async-save``: the fork is
+    the snapshot; :class:`~.files.PendingSave`). Call ``.finish()`` (collective) to publish.
 
     ``stages``: a :class:`~megazero.model.stages.ModelStages` (``chunks``, ``rng_states``,
     ``aliases``); ``counters``: ``{"skipped", "nans"}``; ``layout``: :func:`schema.layout`;
     ``saved_args``: JSON values recorded as the run's arguments (with the model's keys).
     Nothing is gathered but the index: ZeRO-3 writes its shards as they are."""
     index = rank_index(topo, stages.chunks, optimizer)
-    state = _snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng, background)
+    state = _snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng)
     rank = _rank()
     if dist.is_initialized():
         indices = [None] * dist.get_world_size() if rank == 0 else None

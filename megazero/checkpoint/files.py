@@ -7,8 +7,12 @@ the folder and rewrite ``latest_checkpointed_iteration.txt``. A rank killed mid-
 previous checkpoint, and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by
 the next save.
 
-``--async-save``: the same protocol, the rank file written by a background thread from host
-copies (:class:`PendingSave`); the next save, or the end of training, finishes it first.
+``--async-save``: the same protocol, the rank file written by a forked writer process
+(:class:`PendingSave`; Megatron-LM core_v0.19.0 forks one per save too,
+``megatron/core/dist_checkpointing/strategies/async_utils.py: TemporalAsyncCaller``): the child is a
+copy-on-write image of the rank at the moment of the save, so it needs no host copy of CPU tensors
+and its pickling and writing never hold the training process's GIL. The next save, or the end of
+training, finishes it first.
 
 Reading: rank files are loaded with ``torch.load(weights_only=True)`` (tensors and plain values
 only); a missing, truncated or unsafe file raises :class:`CheckpointError` naming it.
@@ -20,6 +24,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -47,11 +52,13 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 class PendingSave:
     """One checkpoint being saved: :meth:`start` opens the temporary folder (collective) and
-    writes this rank's file, in a background thread when ``background``; :meth:`finish`
+    writes this rank's file, in a forked writer process when ``background``; :meth:`finish`
     (collective) waits for it, agrees with every rank that all files were written, then rank 0
     writes ``metadata.json``, renames the folder and rewrites the pointer last. A failed write
-    on any rank raises :class:`CheckpointError` on every rank naming it; the pointer is left
-    on the previous checkpoint. ``state`` must be host copies the training no longer touches."""
+    on any rank -- an exception in the writer, or the writer killed -- raises
+    :class:`CheckpointError` on every rank naming it; the pointer is left on the previous
+    checkpoint. ``state`` holds host tensors: a synchronous save writes them before the training
+    continues; a background one writes them as they were when :meth:`start` forked."""
 
     def __init__(self, root: str, iteration: int, rank: int, state: dict, metadata: dict):
         self.root, self.iteration, self.rank, self.metadata = root, iteration, rank, metadata
@@ -67,8 +74,7 @@ class PendingSave:
             os.makedirs(self.tmp)
         _barrier()
         if background:
-            self.thread = threading.Thread(target=self._write, name=f"checkpoint-{self.iteration}", daemon=True)
-            self.thread.start()
+            self._fork_writer()
         else:
             self._write()
         return self
@@ -82,7 +88,47 @@ class PendingSave:
         except BaseException as e:  # reported by finish(), on every rank
             self.error = f"{type(e).__name__}: {e}{space_hint(self.tmp)}"
         finally:
-            self.state = None  # the host copies go as soon as they are written
+            self.state = None  # the host tensors go as soon as they are written
+
+    def _fork_writer(self) -> None:
+        """Fork the writer: the child writes the file (:meth:`_write`), sends its error, if any,
+        through a pipe and leaves with ``os._exit`` (none of this process's exit handlers, no
+        collective). Here the state is dropped at once (the child has its own image: pages the
+        training changes from now on are copied by the kernel, at most the state's size), and a
+        thread waits for the child (the pipe read and ``os.waitpid`` release the GIL)."""
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer process
+            status = 1
+            try:
+                os.close(read_fd)
+                for sig in (signal.SIGINT, signal.SIGTERM):  # a stopped job stops its writers too
+                    signal.signal(sig, signal.SIG_DFL)
+                self._write()
+                if self.error is not None:
+                    os.write(write_fd, self.error.encode()[:4096])  # <= PIPE_BUF: one atomic write
+                status = 0 if self.error is None else 1
+            finally:
+                os._exit(status)
+        os.close(write_fd)
+        self.state = None
+        self.thread = threading.Thread(target=self._wait_writer, args=(pid, read_fd),
+                                       name=f"checkpoint-{self.iteration}-writer", daemon=True)
+        self.thread.start()
+
+    def _wait_writer(self, pid: int, read_fd: int) -> None:
+        """The writer's outcome: its message, or how it ended when it sent none."""
+        with os.fdopen(read_fd, "rb") as pipe:
+            message = pipe.read().decode(errors="replace")
+        _, status = os.waitpid(pid, 0)
+        if message:
+            self.error = message
+        elif os.WIFSIGNALED(status):
+            self.error = f"the writer process (pid {pid}) was killed by signal {os.WTERMSIG(status)}"
+        elif os.waitstatus_to_exitcode(status) != 0:
+            self.error = f"the writer process (pid {pid}) exited with status {os.waitstatus_to_exitcode(status)}"
+        else:
+            self.bytes_written = os.path.getsize(rank_file(self.tmp, self.rank))
 
     def done(self) -> bool:
         """Whether this rank's file is written (no collective)."""
