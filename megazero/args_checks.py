@@ -161,9 +161,10 @@ def _validate_schedule(err, args) -> None:
             err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         err("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive")
-    if args.lr is not None and args.min_lr > args.lr:
+    lr = args.lr if args.lr is not None and args.lr >= 0 else None  # a negative --lr is check_values' problem
+    if lr is not None and args.min_lr > lr:
         err(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if args.lr is not None and args.lr_warmup_init > args.lr:
+    if lr is not None and args.lr_warmup_init > lr:
         err(f"--lr-warmup-init {args.lr_warmup_init} exceeds --lr {args.lr}")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         err(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
