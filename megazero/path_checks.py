@@ -6,7 +6,7 @@ message lists every problem. Nothing is created or written here (``--save`` is c
 :func:`megazero.checkpoint.guard.guard_save_dir`); a folder that does not exist yet passes when
 its nearest existing parent is a folder this process may create entries in.
 
-* ``--save``: a folder, or creatable; writable (``os.access``, which also answers ``EROFS`` for
+* ``--save`` (and ``--tensorboard-dir``, ``--data-cache-path``): a folder, or creatable; writable (``os.access``, which also answers ``EROFS`` for
   a read-only file system); not on a pseudo file system (``/proc``, ``/sys``), where
   ``mkdir`` fails whoever runs it.
 * ``--load``: when it exists, a folder this process can list and read (a ``--load`` that does not
@@ -62,7 +62,7 @@ def writable_folder_problem(name: str, path: str) -> str | None:
     real = os.path.realpath(path)
     pseudo = next((fs for fs in PSEUDO_FILE_SYSTEMS if real == fs or real.startswith(fs + "/")), None)
     if pseudo:
-        return f"{name} {path}: is on the pseudo file system {pseudo}, where no checkpoint can be written"
+        return f"{name} {path}: is on the pseudo file system {pseudo}, where no file can be written"
     if os.path.exists(real) and not os.path.isdir(real):
         return f"{name} {path}: is a file, not a folder"
     parent = real
@@ -94,9 +94,10 @@ def data_prefixes(paths) -> list[str]:
 
 
 def check_checkpoint_paths(err, args) -> None:
-    """``--save`` writable (or creatable), ``--load`` readable when it exists."""
-    if args.save:
-        problem = writable_folder_problem("--save", args.save)
+    """The output folders (``--save``, ``--tensorboard-dir``, ``--data-cache-path``) writable or
+    creatable, ``--load`` readable when it exists."""
+    for dest in ("save", "tensorboard_dir", "data_cache_path"):
+        problem = getattr(args, dest) and writable_folder_problem(flag(dest), getattr(args, dest))
         if problem:
             err(problem)
     if args.load and os.path.isdir(args.load):

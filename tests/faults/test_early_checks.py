@@ -90,7 +90,11 @@ def test_synthetic_data_must_be_asked_for(capsys, tmp_path):
 def test_save_must_be_a_writable_folder(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert refused(capsys, RUN + MOCK + ["--save", "/proc/megazero-ck"]) == (
-        "--save /proc/megazero-ck: is on the pseudo file system /proc, where no checkpoint can be written")
+        "--save /proc/megazero-ck: is on the pseudo file system /proc, where no file can be written")
+    assert refused(capsys, RUN + MOCK + ["--tensorboard-dir", str(tmp_path / "file"), "--data-cache-path",
+                                         str(tmp_path / "file")]) == (
+        f"--tensorboard-dir {tmp_path}/file: is a file, not a folder; --data-cache-path {tmp_path}/file: is a file, "
+        "not a folder")
     assert refused(capsys, RUN + MOCK + ["--save", str(tmp_path / "file" / "ck")]) == (
         f"--save {tmp_path}/file/ck: {tmp_path}/file is a file, so the folder cannot be created")
     assert accepted(RUN + MOCK + ["--save", str(tmp_path / "new" / "deep")]).save  # creatable: fine
