@@ -1,0 +1,101 @@
+"""The tools on bad input: generate.py (a missing folder, an iteration it does not hold,
+--top-k -5, over-long prompts), convert_checkpoint.py from-hf, preprocess_data.py on a full disk:
+one line, no traceback, nothing half-written left behind."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.arguments import parse_args
+from tests.faults.common import MOCK, TINY, on_tiny_disk
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A 2-iteration tiny GPT (NullTokenizer ids, 16 positions) trained in this process."""
+    from megazero.training import pretrain
+    save = tmp_path_factory.mktemp("gen") / "ck"
+    argv = TINY + MOCK + ["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--save", str(save)]
+    assert pretrain(parse_args(argv, world_size=1, training=True)) == 0
+    return str(save)
+
+
+def _generate(argv):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import generate as tool
+    return tool.main(argv + ["--max-new-tokens", "2"])
+
+
+def _error(argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        _generate(argv)
+    message = str(exc.value.code)
+    assert message.startswith("generate.py: error: ") and "\n" not in message, message
+    return message[len("generate.py: error: "):]
+
+
+def test_generate_names_a_missing_folder_and_an_unknown_iteration(checkpoint, tmp_path):
+    assert _error(["--load", str(tmp_path / "nope"), "--prompt", "1 2"]) == f"--load {tmp_path}/nope: no such folder"
+    assert _error(["--load", checkpoint, "--iteration", "7", "--prompt", "1 2"]) == (
+        f"--load {checkpoint} holds no iteration 7 (saved: 2; latest_checkpointed_iteration.txt names the latest)")
+    assert len(_generate(["--load", checkpoint, "--iteration", "2", "--prompt", "1 2"])) == 1
+
+
+def test_generate_refuses_sampling_values_out_of_range(checkpoint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _generate(["--load", checkpoint, "--prompt", "1 2", "--top-k", "-5", "--top-p", "0", "--temperature", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and err == (
+        "generate.py: error: --top-k must be >= 0 (0: no top-k filter), got -5; --top-p must be in (0, 1], got 0.0; "
+        "--temperature must be > 0 (or --greedy), got -1.0"), err
+
+
+def test_generate_names_an_over_long_prompt_and_a_missing_prompt_file(checkpoint, tmp_path, capsys):
+    long = " ".join(str(i % 90) for i in range(40))
+    assert _error(["--load", checkpoint, "--prompt", "1 2", "--prompt", long]) == (
+        f"prompt 2 ({long[:30]!r}...) has 40 tokens; the model takes at most 16 positions "
+        "(max_position_embeddings): shorten it")
+    with pytest.raises(SystemExit):
+        _generate(["--load", checkpoint, "--prompt-file", str(tmp_path / "prompts.txt")])
+    assert capsys.readouterr().err.strip().endswith(
+        f"generate.py: error: --prompt-file {tmp_path}/prompts.txt: no such file or directory")
+
+
+def test_generate_from_the_command_line_prints_no_traceback(checkpoint):
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "--load", checkpoint, "--iteration",
+                          "9", "--prompt", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"generate.py: error: --load {checkpoint} holds no iteration 9 (saved: 2; latest_checkpointed_iteration.txt "
+        "names the latest)"], out.stderr
+
+
+@pytest.mark.xfail(reason="convert_checkpoint.py is H13's: requested in the team file (one line for a non-HF --hf)")
+def test_from_hf_on_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("not a model")
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "from-hf", "--hf",
+                          str(tmp_path / "notes"), "--save", str(tmp_path / "mz")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "mz").exists()
+
+
+def test_preprocess_on_a_full_disk_leaves_nothing(tmp_path):
+    """ENOSPC for real (a 256 KiB tmpfs); tests/faults/test_data.py covers EFBIG everywhere."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join('{"text": "%s"}\n' % " ".join(["7"] * 200) for _ in range(3000)))
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir(), kept.mkdir()
+    cmd = on_tiny_disk(str(disk), str(kept), 256, [
+        sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(inp), "--output-prefix",
+        str(disk / "c"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
+    if cmd is None:
+        pytest.skip("no mount namespace here (not root)")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"error: {disk}/c_*: no space left on device (ENOSPC: free some space, or write elsewhere)"], out.stderr
+    assert list(kept.iterdir()) == []  # no *.tmp-PID, no outputs
