@@ -79,11 +79,14 @@ def _sizes(opt) -> dict:
     return {"states": sb["total"], "formula": sb["formula"], "phi": sb["phi"], "unit": max(unit, draw)}
 
 
-def _rank(rank, world, argv, out_dir, prev_dir, build_only):
+def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None):
     from megazero.arguments import parse_args
     from megazero.checkpoint import schema
     from megazero.training import setup
+    from megazero.zero.host_memory import return_freed_memory
     peaks = {"interpreter": _rss_now()}
+    if mmap_threshold:  # before anything large is allocated (megazero.zero.host_memory)
+        return_freed_memory(mmap_threshold)
     args = parse_args(argv, world_size=world)
     with _phase(peaks, "build"):
         trainer = setup(args)
@@ -115,7 +118,8 @@ def _activations(o) -> float:
 
 def run_config(o, stage: int, dp: int, out_dir: str, prev_dir: str | None) -> dict:
     from megazero.testing import run_distributed
-    ranks = run_distributed(_rank, dp, _flags(o, stage, dp), out_dir, prev_dir, o.build_only, timeout_s=7200)
+    ranks = run_distributed(_rank, dp, _flags(o, stage, dp), out_dir, prev_dir, o.build_only, o.mmap_threshold,
+                            timeout_s=7200)
     r0 = ranks[0]
     bound = 1.15 * (statistics.median(r["interpreter"] for r in ranks) + r0["formula"] + r0["unit"] + _activations(o))
     phases = [p for p in ("build", "step", "save", "load", "reshard") if p in r0]
@@ -153,31 +157,47 @@ def _table(rows, build_only: bool) -> str:
     return "\n".join(out)
 
 
-def save_timing(o, stage: int, dp: int) -> dict:
-    """Iteration times (ms, from the log) of ``pretrain_gpt.py`` under torchrun, saving at
-    iterations 3 and 6 of 8, without and with ``--async-save``: the save's cost lands in the
-    iteration after it (the log line is printed before the save)."""
+def _timed_run(o, stage: int, dp: int, iters: int, interval: int, background: bool) -> dict:
+    """Per-iteration times (ms, from the log) of one ``pretrain_gpt.py`` run under torchrun that
+    saves every ``interval`` iterations, with or without ``--async-save``."""
     import re
     import subprocess
 
     from megazero.testing import free_port
-    out = {}
-    for mode in ("sync", "async"):
-        folder = tempfile.mkdtemp(prefix="megazero_save_timing_")
-        flags = _flags(o, stage, dp, iters=8) + ["--log-interval", "1", "--save", folder, "--save-interval", "3"]
-        flags += ["--async-save"] if mode == "async" else []
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(dp),
-               "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + flags
+    folder = tempfile.mkdtemp(prefix="megazero_save_timing_")
+    flags = _flags(o, stage, dp, iters=iters) + ["--log-interval", "1", "--save", folder,
+                                                 "--save-interval", str(interval)]
+    flags += ["--async-save"] if background else []
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(dp),
+           "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + flags
+    try:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-        text = done.stdout
+    finally:
         shutil.rmtree(folder, ignore_errors=True)
-        times = {int(m.group(1)): float(m.group(2))
-                 for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)", text)}
-        after = [times[4], times[7]]
-        normal = [t for i, t in times.items() if i not in (1, 4, 7)]
-        out[mode] = {"after_save_ms": after, "normal_median_ms": statistics.median(normal), "times": times}
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)", done.stdout)}
+
+
+def save_timing(o, stage: int, dp: int, rounds: int = 3, iters: int = 10, interval: int = 3) -> dict:
+    """The saving step's cost, with and without ``--async-save``, side by side: ``rounds`` pairs
+    of runs (synchronous, then asynchronous, alternating so both see the same machine load),
+    each ``iters`` iterations saving every ``interval``. The log line of iteration i is printed
+    before its save, so the save's cost lands in iteration i + 1 ("after save"); "normal" are
+    the other iterations except the first. Ratio = median(after save) / median(normal) per mode."""
+    times = {"sync": [], "async": []}
+    for _ in range(rounds):
+        for mode in ("sync", "async"):
+            times[mode].append(_timed_run(o, stage, dp, iters, interval, background=mode == "async"))
+    after = set(range(interval + 1, iters, interval))  # the last save is finished at exit, not timed
+    out = {}
+    for mode, runs in times.items():
+        saving = [t[i] for t in runs for i in sorted(after)]
+        normal = [t[i] for t in runs for i in t if i != 1 and i not in after]
+        out[mode] = {"after_save_ms": saving, "median_after_save_ms": statistics.median(saving),
+                     "median_normal_ms": statistics.median(normal),
+                     "ratio": statistics.median(saving) / statistics.median(normal)}
     return out
 
 
@@ -192,11 +212,17 @@ def main(argv=None) -> int:
     p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--mmap-threshold", type=int, default=None, help="each rank calls "
+                   "megazero.zero.host_memory.return_freed_memory(BYTES) before the build (glibc M_MMAP_THRESHOLD)")
     p.add_argument("--save-timing", action="store_true", help="iteration time after a save, with and without "
                    "--async-save (first --stages / --dp value)")
+    p.add_argument("--rounds", type=int, default=3, help="--save-timing: pairs of runs (sync, async)")
     o = p.parse_args(argv)
     if o.save_timing:
-        print(json.dumps(save_timing(o, o.stages[0], o.dp[0]), indent=1))
+        load_avg = os.getloadavg()[0]
+        timing = dict(save_timing(o, o.stages[0], o.dp[0], rounds=o.rounds), load_before=load_avg,
+                      load_after=os.getloadavg()[0])
+        print(json.dumps(timing, indent=1))
         return 0
     work = tempfile.mkdtemp(prefix="megazero_memory_")
     rows, prev = [], None
@@ -205,7 +231,8 @@ def main(argv=None) -> int:
             for stage in o.stages:
                 out = os.path.join(work, f"z{stage}dp{dp}")
                 load_avg = os.getloadavg()[0]
-                rows.append(dict(run_config(o, stage, dp, out, prev), load_before=load_avg))
+                rows.append(dict(run_config(o, stage, dp, out, prev), load_before=load_avg,
+                                 mmap_threshold=o.mmap_threshold))
                 print(json.dumps(rows[-1]), flush=True)
                 if prev:
                     shutil.rmtree(prev, ignore_errors=True)
