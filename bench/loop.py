@@ -90,12 +90,11 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     m = args.num_micro_batches
     dataset = MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, args.vocab_size, args.seed)
-    indices = iter(PretrainingSampler(len(dataset), 0, args.micro_batch_size, rank, world))
     position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
     state = {"iteration": 0, "losses": []}
     sink = io.StringIO()  # the log line's destination (megazero's is captured the same way)
 
-    def micro_step(k: int) -> torch.Tensor:
+    def micro_step(k: int, indices) -> torch.Tensor:
         tokens, labels = get_tokens_and_labels(collate([dataset[i] for i in next(indices)]))
         sync = fsdp or k == m - 1
         with contextlib.nullcontext() if sync else model.no_sync():
@@ -103,10 +102,15 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
             (loss / m).backward()
         return loss.detach()
 
-    def run(log_interval: int) -> int:
+    def samples():
+        """Megatron's sampler from sample 0, again and again: each system reads what megazero reads."""
+        while True:
+            yield from PretrainingSampler(len(dataset), 0, args.micro_batch_size, rank, world)
+
+    def run(log_interval: int, indices) -> int:
         printed = 0
         for _ in range(a.iters):
-            state["losses"].append(torch.stack([micro_step(k) for k in range(m)]).mean())
+            state["losses"].append(torch.stack([micro_step(k, indices) for k in range(m)]).mean())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -121,7 +125,7 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
                 state["losses"].clear()
             dist.barrier()
         return printed
-    return run
+    return run, samples
 
 
 def _timed(run) -> tuple[float, int]:
@@ -142,8 +146,8 @@ def _bench(rank, world, a):
             kind = "fsdp2" if stage == 3 else "ddp"
             if kind not in peers:
                 peers[kind] = _peer(a, world, rank, args, fsdp=stage == 3)
-            peer = peers[kind]
-            systems.append((stage, li, kind, mz, lambda peer=peer, li=li: peer(li)))
+            peer, samples = peers[kind]
+            systems.append((stage, li, kind, mz, lambda peer=peer, li=li, it=samples(): peer(li, it)))
     times = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
     logs = {(s, li): 0 for s, li, *_ in systems}
     for rep in range(a.warmup + a.reps):
@@ -151,6 +155,9 @@ def _bench(rank, world, a):
             order = (("megazero", mz), ("peer", peer)) if rep % 2 == 0 else (("peer", peer), ("megazero", mz))
             for name, run in order:
                 t, printed = _timed(run)
+                if rank == world - 1:
+                    print(json.dumps({"kind": "run", "rep": rep, "stage": stage, "log_interval": li, "system": name,
+                                      "ms": round(t / a.iters * 1000, 2), "load": os.getloadavg()[0]}), flush=True)
                 if rep >= a.warmup:
                     times[(stage, li)][name].append(t / a.iters * 1000)
                     logs[(stage, li)] += printed if name == "megazero" else 0
