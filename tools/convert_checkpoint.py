@@ -30,8 +30,10 @@ are printed (``--openai-gelu`` for GPT-2's tanh GELU).  The folder's tokenizer f
 ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` or ``release/``), any TP x PP (x VP),
 legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.megatron`.
 
-Memory: the reader streams one full parameter at a time out of memory-mapped rank files; the
-output is built in memory once (about one copy of the weights), then written.
+Memory: the reader streams one full parameter at a time out of memory-mapped rank files.
+``to-hf`` writes ``model.safetensors`` incrementally (header from the shapes first, then one
+tensor after another: :mod:`megazero.checkpoint.safetensors_stream`), so it holds one parameter;
+``to-fp32`` builds its ``torch.save`` dict in memory (one fp32 copy of the model).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.checkpoint import files, schema  # noqa: E402
 from megazero.checkpoint.reader import CheckpointReader  # noqa: E402
+from megazero.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: E402
 from megazero.checkpoint.schema import CheckpointError  # noqa: E402
 from megazero.model import hf as hfmap  # noqa: E402
 from megazero.model.config import GPTConfig  # noqa: E402
@@ -73,30 +76,42 @@ def to_fp32(load: str, output: str, iteration: int | None = None) -> dict:
 # ---- megazero -> Hugging Face -----------------------------------------------------------------
 def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None = None,
           dtype: str = "float32") -> str:
-    from safetensors.torch import save_file
-
     from megazero.data.hf_tokenizer import export_tokenizer_files
     from megazero.data.tokenizers import build_tokenizer, saved_tokenizer_flags
     reader = CheckpointReader(load, iteration)
     config = GPTConfig.from_saved_args(reader.args)
     arch = arch or hfmap.arch_of_config(config)
     cfg = dict(hfmap.hf_config_of(config, arch), torch_dtype=dtype)
-    kind = "master" if reader.has_optimizer else "weight"
-    state = {}
-    for name, full in reader.iter_full_params(kind, DTYPES[dtype]):
-        state.update(hfmap.full_to_hf({name: full}, config, arch))  # one parameter at a time
-    if config.tied_embeddings:
-        state.pop("lm_head.weight", None)  # tied: transformers re-ties it to the input embedding
+    kind, target = ("master" if reader.has_optimizer else "weight"), DTYPES[dtype]
     os.makedirs(output, exist_ok=True)
     flags = saved_tokenizer_flags(reader.args, load)
     if flags and export_tokenizer_files(flags, output):
         tok = build_tokenizer(SimpleNamespace(**flags, vocab_size=reader.args.get("vocab_size")))
         cfg.update({k: v for k, v in (("bos_token_id", getattr(tok, "bos", None)), ("eos_token_id", tok.eod))
                     if v is not None and v >= 0})
-    save_file(state, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    _stream_hf(reader, config, arch, kind, target, os.path.join(output, "model.safetensors"))
     with open(os.path.join(output, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2, sort_keys=True)
     return output
+
+
+def _stream_hf(reader, config, arch: str, kind: str, dtype: torch.dtype, path: str) -> None:
+    """``model.safetensors`` written one parameter at a time: the header from meta tensors of the
+    HF names and shapes (:meth:`CheckpointReader.full_meta`, nothing read), then each full
+    parameter read, mapped (:func:`megazero.model.hf.full_to_hf`: one megazero parameter gives
+    one or more HF tensors), written and freed. A tied output layer is left out (transformers
+    re-ties ``lm_head.weight`` to the input embedding)."""
+    def hf_of(name: str, full: torch.Tensor) -> dict:
+        out = hfmap.full_to_hf({name: full}, config, arch)
+        if config.tied_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+    names = reader.param_names()
+    specs = [item for name in names for item in hf_of(name, reader.full_meta(name, kind).to(dtype)).items()]
+    with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as writer:
+        for name in names:
+            for hf_name, tensor in hf_of(name, reader.full_param(name, kind).to(dtype)).items():
+                writer.write(hf_name, tensor)
 
 
 # ---- Hugging Face / Megatron-LM -> megazero -----------------------------------------------------

@@ -184,6 +184,16 @@ class CheckpointReader:
         pieces = [self._local(name, kind, t, entry.shape) for t in range(self.tp)]
         return entry.split.to_full(pieces).clone()
 
+    def full_meta(self, name: str, kind: str = "weight") -> torch.Tensor:
+        """A meta tensor with :meth:`full_param`'s shape and dtype (nothing is read): the shapes a
+        streaming writer needs before the data (``weight``: the saved dtype, else fp32)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} not in {KINDS}")
+        entry = self._where[self.resolve(name)][0][3]
+        dtype = getattr(torch, self.layout.get("params_dtype") or "float32") if kind == "weight" else torch.float32
+        local = torch.empty(entry.shape, dtype=dtype, device="meta")
+        return local if entry.split is None else entry.split.to_full([local] * self.tp)
+
     def iter_full_params(self, kind: str = "weight", dtype=None):
         """Yield ``(name, full tensor)`` one parameter at a time (see :meth:`param_names`)."""
         for name in self.param_names():
