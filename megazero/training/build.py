@@ -56,7 +56,7 @@ def setup(args, model_provider=None, forward_step_func=None):
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded."""
     from megazero.model.stages import gpt_forward_step, provider_options
     from megazero.pipeline import PipelineRunner
-    from megazero.training.logger import TensorBoardLogger
+    from megazero.training.logger import TensorBoardLogger, open_wandb
     from megazero.training.loop import Trainer
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
@@ -89,7 +89,9 @@ def setup(args, model_provider=None, forward_step_func=None):
     trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9
                       runner=runner, forward_step=forward_step_func or gpt_forward_step, datasets=datasets,
                       scheduler=scheduler,
-                      tb=TensorBoardLogger(args.tensorboard_dir, enabled=launch.rank == args.world_size - 1))
+                      tb=TensorBoardLogger(args.tensorboard_dir, enabled=launch.rank == args.world_size - 1,
+                                           max_queue=getattr(args, "tensorboard_queue_size", 1000),
+                                           wandb=open_wandb(args, launch.rank, args.world_size)))
     if launch.rank == 0:
         print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
               f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)

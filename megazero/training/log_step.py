@@ -10,7 +10,7 @@ from datetime import datetime
 
 import torch
 
-from megazero.training.logger import iteration_line, validation_line
+from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
 from megazero.training.lr_schedule import learning_rates
 
 
@@ -18,20 +18,26 @@ class TrainerLogging:
     """Logging methods of the Trainer (they read its ``args``, ``stats``, ``scheduler``,
     ``optimizer``, ``tb``, ``rank``/``last_rank``)."""
 
-    def _log(self, seconds_per_iter: float, grad_norm, loss_sum: float | None) -> None:
+    def _log(self, seconds_per_iter: float, loss_sum: float | None, batch_size: int, *, grad_norm: float | None,
+             num_zeros: float | None = None, params_norm: float | None = None) -> None:
         """Megatron's line on the last rank; ``loss_sum``: the interval's applied iterations'
-        DP-mean losses, summed (agreed in the iteration's packed all-reduce: no collective here)."""
+        DP-mean losses, summed (agreed in the iteration's packed all-reduce: no collective here);
+        ``batch_size``: the global batch size of the iteration just run (Megatron's
+        ``training_log`` prints ``get_current_global_batch_size()``), also the throughput's;
+        ``num_zeros`` / ``params_norm`` with ``--log-num-zeros-in-grad`` / ``--log-params-norm``."""
         args, stats = self.args, self.stats
         if self.rank == self.last_rank:
             losses = stats.losses(loss_sum)
             self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
-            tflops = self.flops / (seconds_per_iter * args.world_size * 1e12)
+            flops = model_flops_per_iteration(self.model_config, batch_size, self.topo.tp)
+            tflops = flops / (seconds_per_iter * args.world_size * 1e12)
             print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
                                  consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
                                  tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
                                  decoupled_lr=learning_rates(self.scheduler, args)[1],
-                                 global_batch_size=args.global_batch_size, losses=losses,
+                                 global_batch_size=batch_size, losses=losses,
                                  loss_scale=self.optimizer.scaler.scale, grad_norm=grad_norm,
+                                 num_zeros=num_zeros, params_norm=params_norm,
                                  skipped=stats.skipped, nans=stats.nans,
                                  timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
             if args.log_timers_to_tensorboard:
@@ -40,7 +46,8 @@ class TrainerLogging:
                                 self.iteration, self.consumed_samples)
         stats.reset()
 
-    def _tensorboard_step(self, lm: float | None, grad_norm) -> None:
+    def _tensorboard_step(self, lm: float | None, batch_size: int, *, grad_norm: float | None,
+                          num_zeros: float | None = None, params_norm: float | None = None) -> None:
         """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
         the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
         ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
@@ -49,8 +56,9 @@ class TrainerLogging:
         args = self.args
         if self.rank != self.last_rank:
             return
-        scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": args.global_batch_size, "lm loss": lm,
-                   "grad-norm": grad_norm, "decoupled-learning-rate": learning_rates(self.scheduler, args)[1]}
+        scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": batch_size, "lm loss": lm,
+                   "grad-norm": grad_norm, "decoupled-learning-rate": learning_rates(self.scheduler, args)[1],
+                   "num-zeros": num_zeros, "params-norm": params_norm}
         if args.log_loss_scale_to_tensorboard:
             scalars["loss-scale"] = self.optimizer.scaler.scale
         if args.log_world_size_to_tensorboard:

@@ -2,7 +2,10 @@
 
 One iteration is one global batch: ``M = global_batch / (micro_batch * DP)`` micro-batches
 through the selected pipeline schedule (no pipelining, 1F1B or interleaved 1F1B), gradient
-reduction and the (sharded) optimizer step, then the LR scheduler. The last rank, which owns
+reduction, the iteration's one packed all-reduce of its scalars (:mod:`.agree`) and the
+(sharded) optimizer step, then the LR scheduler; ``M`` may change between iterations with a
+batch-size schedule (:mod:`.batch_schedule`). Each pipeline stage reads only the micro-batch
+entries it uses, ahead of time (:class:`~megazero.training.data.MicroBatchSource`). The last rank, which owns
 the loss, prints Megatron's log line and writes TensorBoard. ``SIGTERM``/``SIGUSR1`` (sent by
 SLURM before preemption) makes every rank save at the end of the current iteration and exit 0.
 """
@@ -15,24 +18,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint import schema
-from megazero.checkpoint.api import load_run, start_save
+from megazero.model.stages import gpt_forward_step
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.agree import IterationAgreement
-from megazero.training.data import DocumentMasks, micro_batch_iterator
+from megazero.training.batch_schedule import BatchSchedule
+from megazero.training.checkpointing import TrainerCheckpoints, print_rank
+from megazero.training.data import DocumentMasks, MicroBatchSource, stage_keys
+from megazero.training.evaluation import TrainerEvaluation
 from megazero.training.log_step import TrainerLogging, attention_backend
-from megazero.training.logger import IntervalStats, model_flops_per_iteration
+from megazero.training.logger import IntervalStats
 from megazero.training.lr_schedule import LRScheduler, learning_rates
 from megazero.training.signals import ExitSignal
+from megazero.zero.norms import params_sq
 
 
-def _print_rank(rank: int, target: int, text: str) -> None:
-    if rank == target:
-        print(text, flush=True)
-
-
-class Trainer(TrainerLogging):
+class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
     """Owns everything one rank needs to train; built by :func:`pretrain`."""
 
     def __init__(self, args, topo: Topology, device: torch.device, *, model_config, stages, optimizer, runner,
@@ -49,8 +50,9 @@ class Trainer(TrainerLogging):
         self.first_iteration = 0  # where this process started (set again by train())
         self.pending_save = None  # --async-save: the checkpoint still being written
         self.exit_signal = None  # set by train()
+        self.last_agreed = None  # the last iteration's agreed scalars (Agreed)
+        self.batches = BatchSchedule.from_args(args, topo.dp)  # global batch size by consumed samples
         self.agreement = IterationAgreement(topo, device, optimizer)  # the one packed all-reduce per iteration
-        self.flops = model_flops_per_iteration(model_config, args.global_batch_size, topo.tp)
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.doc_masks = DocumentMasks.from_args(args, model_config.vocab_size)  # eod switches, or None
@@ -58,10 +60,17 @@ class Trainer(TrainerLogging):
             from megazero.model.stages import embedding_and_output_params
             optimizer.set_decoupled_params(embedding_and_output_params(stages.chunks))
 
-    def _micro_batches(self, dataset, consumed_samples: int, cycle: bool = False):
-        return micro_batch_iterator(dataset, consumed_samples, seq_length=self.args.seq_length,
-                                    micro_batch_size=self.args.micro_batch_size, topo=self.topo,
-                                    device=self.device, cycle=cycle, masks=self.doc_masks)
+    def _source(self, dataset, consumed_samples: int, *, read_ahead: int, cycle: bool = False) -> MicroBatchSource:
+        """This rank's micro-batches of ``dataset`` from ``consumed_samples`` on, read ahead on a
+        background thread (``--num-workers`` > 0); only the entries this pipeline stage reads
+        when the forward step is GPT's (another model's forward step gets every entry)."""
+        keys = None
+        if self.forward_step is gpt_forward_step:
+            keys = stage_keys(self.topo, self.doc_masks, rope=self.model_config.position_embedding_type == "rope")
+        return MicroBatchSource(dataset, consumed_samples, seq_length=self.args.seq_length,
+                                micro_batch_size=self.args.micro_batch_size, topo=self.topo, device=self.device,
+                                keys=keys, masks=self.doc_masks, cycle=cycle, read_ahead=read_ahead,
+                                num_workers=getattr(self.args, "num_workers", 1))
 
     # ---- one iteration -------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], with_loss: bool):
@@ -79,7 +88,7 @@ class Trainer(TrainerLogging):
             losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
                                      grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
         if trace is not None:
-            write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: _print_rank(self.rank, 0, s))
+            write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
         loss = self._local_loss(losses)
         agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._exit_flags(),
                                       count_zeros=with_loss and bool(getattr(args, "log_num_zeros_in_grad", False)))
@@ -102,151 +111,71 @@ class Trainer(TrainerLogging):
             return None
         return torch.stack([l.detach().float() for l in losses]).mean()
 
-    def _dp_mean(self, step_losses: list) -> float | None:
-        """Mean of several steps' local losses, averaged over the DP group: one all-reduce and one
-        host read per log interval (or evaluation), on the last stage only. Every DP rank holds
-        the same number of steps (skipped steps are skipped everywhere)."""
-        if not self.topo.is_last_stage or not step_losses:
-            return None
-        total = torch.stack(step_losses).mean()
-        if self.topo.dp > 1:
-            dist.all_reduce(total, group=self.topo.dp_group)
-            total /= self.topo.dp
-        return self.optimizer.host.read(total)[0]
-
-    def evaluate(self, dataset=None, start: int | None = None) -> float | None:
-        """Mean loss over ``--eval-iters`` global batches of ``dataset`` (default: the validation
-        set) from sample ``start`` (default: after the earlier evaluations' samples, as
-        Megatron's ``consumed_valid_samples``); None on ranks without the loss or without data."""
-        args = self.args
-        dataset = self.valid_ds if dataset is None else dataset
-        if dataset is None or args.eval_iters <= 0:
-            return None
-        for c in self.chunks:
-            c.eval()
-        if start is None:
-            start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
-        it = self._micro_batches(dataset, start % len(dataset), cycle=True)
-        totals = []
-        with torch.no_grad():
-            for _ in range(args.eval_iters):
-                mbs = [next(it) for _ in range(args.num_micro_batches)]
-                losses = self.runner.run(self.chunks, mbs, self.forward_step, grad_scale=1.0, forward_only=True)
-                t = self._local_loss(losses)
-                if t is not None:
-                    totals.append(t)
-        for c in self.chunks:
-            c.train()
-        return self._dp_mean(totals)
-
-    # ---- checkpoints ---------------------------------------------------------------
-    def save(self) -> None:
-        """Every rank writes what it alone owns; rank 0 adds the gathered per-rank index (names, TP
-        split rules, ZeRO regions) to ``metadata.json`` so any layout can load it
-        (docs/checkpoints.md). ``--async-save``: the files are written in the background from
-        host copies; a new save (or the end of :meth:`train`) first finishes the previous one."""
-        args = self.args
-        self.finish_save()
-        self.optimizer.wait_params()
-        t0 = time.time()
-        pending = start_save(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                             scheduler_state=self.scheduler.state_dict(),
-                             counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
-                             consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
-                             saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
-                             save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-                             background=args.async_save)
-        if pending.thread is not None:
-            self.pending_save = pending
-            _print_rank(self.rank, 0, f"saving checkpoint at iteration {self.iteration:7d} to {pending.final} "
-                                      f"in the background (snapshot {time.time() - t0:.2f} s)")
-            return
-        path = pending.finish()
-        _print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
-                                  f"in {time.time() - t0:.2f} s")
-
-    def finish_save(self) -> None:
-        """Wait for the background checkpoint (if any) and publish it (collective); a failed write
-        on any rank raises :class:`CheckpointError` here."""
-        pending, self.pending_save = self.pending_save, None
-        if pending is not None:
-            path = pending.finish()
-            _print_rank(self.rank, 0, f"saved checkpoint at iteration {pending.iteration:7d} to {path} "
-                                      f"({time.time() - pending.started:.2f} s after it started)")
-
-    def load(self) -> None:
-        """Fast path (same layout and same regions): this rank's file as saved, RNG included.
-        Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
-        this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
-        args = self.args
-        self.optimizer.wait_params()
-        loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                          layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
-                          load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
-        if loaded is None:
-            if args.exit_on_missing_checkpoint:
-                _print_rank(self.rank, 0, f">> no checkpoint in --load {args.load} and --exit-on-missing-checkpoint "
-                                          "is set: exiting")
-                raise SystemExit(0)
-            return
-        self.load_path, self.load_bytes = loaded.path, loaded.bytes_read
-        if loaded.scheduler is not None:  # None: finetune, or imported weights (tools/convert_checkpoint.py)
-            self.scheduler.load_state_dict(loaded.scheduler)
-        if loaded.counters is not None:
-            self.skipped, self.nans = loaded.counters["skipped"], loaded.counters["nans"]
-        self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
-
     # ---- the loop --------------------------------------------------------------------
     def train(self, exit_signal: ExitSignal | None) -> None:
         """Iterate to ``--train-iters``; ``exit_signal`` (``--exit-signal-handler``) makes every rank
         save and return at the end of the iteration in which any rank received the signal. Logged
         every ``--log-interval`` iterations as Megatron's ``training_log``; one host read per
-        iteration (the packed scalars of :mod:`.agree`)."""
-        args = self.args
+        iteration (the packed scalars of :mod:`.agree`). The global batch size of an iteration is
+        the batch schedule's at the samples consumed before it (Megatron's
+        ``update_num_microbatches``); when its micro-batch count changes a checkpoint is saved
+        first, as Megatron-LM core_v0.19.0 ``train`` does."""
+        args, batches = self.args, self.batches
         self.first_iteration, self.exit_signal = self.iteration, exit_signal
-        it = self._micro_batches(self.train_ds, self.consumed_samples)
-        log_start = time.time()
-        while self.iteration < args.train_iters:
-            log_due = (self.iteration + 1) % args.log_interval == 0
-            tb_due = bool(args.tensorboard_dir) and (self.iteration + 1) % args.tensorboard_log_interval == 0
-            # fp16: a skipped step's DP-wide loss check travels in the same packed all-reduce
-            loss, ok, grad_norm, agreed = self.train_step([next(it) for _ in range(args.num_micro_batches)],
-                                                          with_loss=log_due or tb_due or args.fp16)
-            bad = agreed.loss_not_finite if agreed.loss_not_finite is not None else self._loss_not_finite(loss, ok)
-            self.stats.add(ok, None, loss_is_nan=not ok and bad)
-            self._count_step(ok, grad_norm)
-            grad_norm = grad_norm if ok else None  # Megatron's optimizer reports no norm for a skipped step
-            if tb_due:
-                self._tensorboard_step(agreed.loss, grad_norm)
-            if log_due:
-                self._log((time.time() - log_start) / self.stats.iterations, grad_norm,
-                          agreed.loss_before + (agreed.loss if ok else 0.0))
-                self.agreement.reset_interval()
-                log_start = time.time()
-            elif ok:
-                self.agreement.add_applied(loss)
-            if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
-                self._log_validation(self.evaluate())
-            if self._save_or_exit(agreed):
-                self.finish_save()
-                return
+        m_prev = batches.num_micro_batches(self.consumed_samples)
+        with self._source(self.train_ds, self.consumed_samples, read_ahead=m_prev) as source:
+            log_start = time.time()
+            while self.iteration < args.train_iters:
+                b, m = batches.global_batch_size(self.consumed_samples), batches.num_micro_batches(self.consumed_samples)
+                if m != m_prev and args.save and self.iteration != 0:
+                    self.save()
+                m_prev = m
+                mbs = source.next_batch(m, read_ahead=batches.num_micro_batches(self.consumed_samples + b))
+                log_start = self._iteration(mbs, b, log_start)
+                if self._save_or_exit(self.last_agreed):
+                    self.finish_save()
+                    return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
         self.final_evaluation()
         self.finish_save()
 
-    def final_evaluation(self) -> None:
-        """Megatron's ``pretrain`` after a completed ``train``: the validation set (its next
-        ``--eval-iters`` batches) and the test set (from its first sample), printed as
-        ``validation loss at iteration N on validation set`` / ``... on test set``."""
+    def _iteration(self, micro_batches: list[dict], batch_size: int, log_start: float) -> float:
+        """One training iteration of ``batch_size`` samples and its counters, TensorBoard scalars,
+        log line and evaluation when due; returns the start time of the current log interval."""
         args = self.args
-        if args.eval_iters <= 0:
-            return
-        done = self.iteration // args.eval_interval if args.eval_interval else 0
-        self._log_validation(self.evaluate(self.valid_ds, done * args.eval_iters * args.global_batch_size),
-                             where=" on validation set")
-        if self.test_ds is not None:
-            self._log_validation(self.evaluate(self.test_ds, 0), where=" on test set", tensorboard=False)
+        log_due = (self.iteration + 1) % args.log_interval == 0
+        tb_due = bool(args.tensorboard_dir) and (self.iteration + 1) % args.tensorboard_log_interval == 0
+        # fp16: a skipped step's DP-wide loss check travels in the same packed all-reduce
+        loss, ok, grad_norm, agreed = self.train_step(micro_batches, with_loss=log_due or tb_due or args.fp16)
+        self.last_agreed = agreed
+        bad = agreed.loss_not_finite if agreed.loss_not_finite is not None else self._loss_not_finite(loss, ok)
+        self.stats.add(ok, None, loss_is_nan=not ok and bad)
+        self._count_step(ok, grad_norm, batch_size)
+        # Megatron's optimizer reports no norm and no zeros for a skipped step
+        params_norm = (log_due or tb_due) and getattr(args, "log_params_norm", False)
+        extra = {"grad_norm": grad_norm if ok else None, "num_zeros": agreed.zeros if ok else None,
+                 "params_norm": self._params_norm() if params_norm else None}
+        if tb_due:
+            self._tensorboard_step(agreed.loss, batch_size, **extra)
+        if log_due:
+            self._log((time.time() - log_start) / self.stats.iterations,
+                      agreed.loss_before + (agreed.loss if ok else 0.0), batch_size, **extra)
+            self.agreement.reset_interval()
+            log_start = time.time()
+        elif ok:
+            self.agreement.add_applied(loss)
+        if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
+            self._log_validation(self.evaluate())
+        return log_start
+
+    def _params_norm(self) -> float:
+        """``--log-params-norm``: the L2 norm of the parameters after the step (Megatron's
+        ``calc_params_l2_norm`` after ``train_step``): one more all-reduce and host read, on
+        iterations with a log or TensorBoard line only."""
+        sq = params_sq(self.optimizer, over_world=True)
+        self.optimizer.comm.all_reduce(sq, "world", async_op=False)
+        return math.sqrt(self.optimizer.host.read(sq)[0])
 
     def _loss_not_finite(self, loss, ok: bool) -> bool:
         """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
@@ -259,17 +188,17 @@ class Trainer(TrainerLogging):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_group)
         return bool(self.optimizer.host.read(bad)[0])
 
-    def _count_step(self, ok: bool, grad_norm) -> None:
+    def _count_step(self, ok: bool, grad_norm, batch_size: int) -> None:
         """After a step: iteration and sample counters; the LR schedule advances only on an
         applied step, by its global batch size (Megatron-LM's ``train_step``; a skipped
         fp16-overflow step leaves it where it was, as DeepSpeed's ``_take_model_step`` too)."""
         if ok:
             if isinstance(self.scheduler, LRScheduler):
-                self.scheduler.step(self.args.global_batch_size)
+                self.scheduler.step(batch_size)
             else:
                 self.scheduler.step()
         self.iteration += 1
-        self.consumed_samples += self.args.global_batch_size
+        self.consumed_samples += batch_size
         if not ok:
             self.skipped += 1
             if grad_norm is not None and not math.isfinite(grad_norm):
@@ -282,7 +211,7 @@ class Trainer(TrainerLogging):
         args = self.args
         signalled, timed_out = agreed.signalled, agreed.timed_out
         if timed_out and not signalled:
-            _print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
+            print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
                                       f"--exit-duration-in-mins {args.exit_duration_in_mins}")
         signalled = signalled or timed_out
         exiting = signalled or bool(args.exit_interval and self.iteration % args.exit_interval == 0)
@@ -290,7 +219,7 @@ class Trainer(TrainerLogging):
         if args.save and (due or exiting):
             self.save()
         if signalled and not timed_out:
-            _print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
+            print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
         elif exiting:
-            _print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+            print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
         return exiting

@@ -1,0 +1,76 @@
+"""The training loop's checkpoints: save (synchronous or ``--async-save``), wait, load (a mixin
+of :class:`megazero.training.loop.Trainer`; the format: docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import time
+
+from megazero.checkpoint import schema
+from megazero.checkpoint.api import load_run, start_save
+
+
+def print_rank(rank: int, target: int, text: str) -> None:
+    """``text`` on rank ``target`` only."""
+    if rank == target:
+        print(text, flush=True)
+
+
+class TrainerCheckpoints:
+    """Checkpoint methods of the Trainer (they read its ``args``, ``topo``, ``stages``,
+    ``optimizer``, ``scheduler``, ``model_config`` and counters, and set them on load)."""
+
+    def save(self) -> None:
+        """Every rank writes what it alone owns; rank 0 adds the gathered per-rank index (names, TP
+        split rules, ZeRO regions) to ``metadata.json`` so any layout can load it
+        (docs/checkpoints.md). ``--async-save``: the files are written in the background from
+        host copies; a new save (or the end of :meth:`train`) first finishes the previous one."""
+        args = self.args
+        self.finish_save()
+        self.optimizer.wait_params()
+        t0 = time.time()
+        pending = start_save(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                             scheduler_state=self.scheduler.state_dict(),
+                             counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
+                             consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
+                             saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
+                             save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+                             background=args.async_save)
+        if pending.thread is not None:
+            self.pending_save = pending
+            print_rank(self.rank, 0, f"saving checkpoint at iteration {self.iteration:7d} to {pending.final} "
+                                      f"in the background (snapshot {time.time() - t0:.2f} s)")
+            return
+        path = pending.finish()
+        print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
+                                  f"in {time.time() - t0:.2f} s")
+
+    def finish_save(self) -> None:
+        """Wait for the background checkpoint (if any) and publish it (collective); a failed write
+        on any rank raises :class:`CheckpointError` here."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            path = pending.finish()
+            print_rank(self.rank, 0, f"saved checkpoint at iteration {pending.iteration:7d} to {path} "
+                                      f"({time.time() - pending.started:.2f} s after it started)")
+
+    def load(self) -> None:
+        """Fast path (same layout and same regions): this rank's file as saved, RNG included.
+        Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
+        this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
+        args = self.args
+        self.optimizer.wait_params()
+        loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                          layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
+                          load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
+        if loaded is None:
+            if args.exit_on_missing_checkpoint:
+                print_rank(self.rank, 0, f">> no checkpoint in --load {args.load} and --exit-on-missing-checkpoint "
+                                          "is set: exiting")
+                raise SystemExit(0)
+            return
+        self.load_path, self.load_bytes = loaded.path, loaded.bytes_read
+        if loaded.scheduler is not None:  # None: finetune, or imported weights (tools/convert_checkpoint.py)
+            self.scheduler.load_state_dict(loaded.scheduler)
+        if loaded.counters is not None:
+            self.skipped, self.nans = loaded.counters["skipped"], loaded.counters["nans"]
+        self.iteration, self.consumed_samples = loaded.iteration, loaded.consumed_samples
