@@ -45,10 +45,11 @@ from .regions import RegionContext, build_regions, cast_params, split_shard_rang
 from .param_sync import ParamSync
 from .stage3 import ParamGatherer
 from .accounting import StateAccounting
+from .grad_sync import GradientSync
 from .state import ShardState
 
 
-class ZeroOptimizer(ShardState, StateAccounting):
+class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
     """See the module docstring and docs/zero.md.  ``model_chunks``: a module or list of them
     (virtual pipeline chunks); ``shared_params``: ``[(param, process_group)]`` whose gradients are
     summed over the group before DP reduction (same order on every member; the norm counts them
@@ -128,19 +129,6 @@ class ZeroOptimizer(ShardState, StateAccounting):
         self.last_comm: dict = {}
         self._lr_ranges = None  # set_decoupled_params: per region, (other, decoupled) shard ranges
 
-    def _register_hooks(self, chunks) -> list:
-        """Gradient hooks on every parameter, and the re-read of the masters after a chunk's
-        ``load_state_dict`` (stage 3: through the gatherer, which also gathers for it)."""
-        hooks = []
-        if self.gatherer is not None:
-            self.gatherer.hook_state_dicts(chunks, self.reload_model_params)
-        else:
-            hooks += [c.register_load_state_dict_post_hook(lambda m, k: self.reload_model_params()) for c in chunks]
-        for r in self.regions:
-            for i, p in enumerate(r.params):
-                hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(r, i)))
-        return hooks
-
     # ---- gradients -------------------------------------------------------------------------
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -148,42 +136,6 @@ class ZeroOptimizer(ShardState, StateAccounting):
         if self._scale_tensor is None:
             self._scale_tensor = torch.empty((), dtype=torch.float32, device=self.device)
         return self._scale_tensor.fill_(self.scaler.scale)  # a device fill, not a host-to-device copy
-
-    def _grad_hook(self, r: Region, i: int):
-        def hook(p):
-            self._synced = False
-            if r.accumulate(i, p) and r.shared is None:
-                if r.flush_every == 1 or self.overlap:
-                    self._launch(r, async_op=self.overlap)
-                if self.gatherer is not None and r.partitioned:
-                    self.gatherer.backward_done(r)
-        return hook
-
-    def _launch(self, r: Region, async_op: bool) -> None:
-        pending = r.flush(async_op=async_op)
-        if not async_op:
-            pending.wait()
-            return
-        self._inflight.append(pending)
-        while len(self._inflight) > self._max_inflight:
-            self._inflight.pop(0).wait()
-
-    def finish_grad_sync(self) -> None:
-        """After the schedule: reduce what did not become ready, sum tied weights, wait for all."""
-        if self._synced:
-            return
-        for r in self.regions:
-            if r.shared is None and r.dirty:
-                self._launch(r, async_op=True)
-        for r in self.regions:
-            if r.shared is not None:
-                r.sum_shared()
-                self._launch(r, async_op=True)
-        while self._inflight:
-            self._inflight.pop(0).wait()
-        if self.gatherer is not None:
-            self.gatherer.end_of_step()
-        self._synced = True
 
     # ---- the step --------------------------------------------------------------------------
     def set_decoupled_params(self, params) -> None:
@@ -272,18 +224,6 @@ class ZeroOptimizer(ShardState, StateAccounting):
         if self.param_sync is not None:
             self.param_sync.wait_all()
 
-    def set_num_micro_batches(self, m: int) -> None:
-        """A new number of micro-batches per step (a batch-size schedule): the regions that
-        reduce after the M-th accumulation (stages 0/1, persistent and shared ones) now reduce
-        after the ``m``-th. Call between steps."""
-        m = int(m)
-        if m == self.M:
-            return
-        for r in self.regions:
-            if r.persistent_grad:  # the full gradient stays until the step: reduced after M
-                r.flush_every = m
-        self.M = m
-
     def _end_step(self, found_inf: bool) -> None:
         for r in self.regions:
             r.zero_grad()
@@ -307,13 +247,6 @@ class ZeroOptimizer(ShardState, StateAccounting):
             yield
         finally:
             self.gatherer.end_of_step()
-
-    def zero_grad(self) -> None:
-        """Drop any gradient accumulated since the last step (``step`` already leaves none)."""
-        while self._inflight:
-            self._inflight.pop(0).wait()
-        for r in self.regions:
-            r.reset()
 
     def reload_model_params(self) -> None:
         """Re-read the fp32 master shards from the parameters (done automatically after a
