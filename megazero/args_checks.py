@@ -175,7 +175,9 @@ def _validate_batch_schedule(err, args) -> None:
     well formed; ramp-up only in a --train-samples run and not with a step schedule (Megatron-LM
     core_v0.17.1 ``validate_args``); a step schedule with --global-batch-size only when they agree
     (Megatron refuses the pair; its own GPT-3 example passes both, with the schedule's final
-    size); every size the run will see divisible by micro-batch x DP."""
+    size); every size the run will see divisible by micro-batch x DP. ``--global-batch-size``
+    keeps Megatron's meaning (default micro-batch x DP): the evaluation batch and the unit of
+    ``--lr-decay-iters``/``--lr-warmup-iters``; the ramp-up's final size."""
     from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule  # pure arithmetic
     text, rampup = args.step_batch_size_schedule, args.rampup_batch_size
     if text is None and rampup is None:
@@ -203,13 +205,6 @@ def _validate_batch_schedule(err, args) -> None:
         schedule.check(iters, pp, interleaved=args.num_layers_per_virtual_pipeline_stage is not None)
     except ValueError as e:
         err(str(e))
-        return
-    sizes = {b for _, b, _ in schedule.stretches(iters)}
-    if len(sizes) > 1:
-        err(f"{schedule.flag} changes the global batch size within this run ({', '.join(map(str, sorted(sizes)))}): "
-            "not wired into the training loop yet; run each constant stretch as its own run")
-    if text is not None:
-        args.global_batch_size = schedule.global_batch_size(0)
 
 
 def _validate_features(err, args) -> None:

@@ -300,8 +300,8 @@ TABLE = """\
 --nvtx-ranges	nvtx_ranges	0	False	2	profiling or diagnostics only
 --micro-batch-size	micro_batch_size	1	None	1	as in Megatron-LM
 --global-batch-size	global_batch_size	1	None	1	as in Megatron-LM
---rampup-batch-size	rampup_batch_size	3	None	1	ignored, as Megatron-LM core_v0.19.0 ignores it (deprecated there): the batch size is --global-batch-size
---step-batch-size-schedule	step_batch_size_schedule	1	None	1	global batch size by consumed tokens, as Megatron; honoured while the size is constant over the run (a change within the run is an error)
+--rampup-batch-size	rampup_batch_size	3	None	1	batch-size ramp-up START INCR SAMPLES to --global-batch-size, as Megatron-LM core_v0.17.1 (RampupBatchsizeNumMicroBatchesCalculator; core_v0.18.0 and later ignore the flag); needs --train-samples
+--step-batch-size-schedule	step_batch_size_schedule	1	None	1	global batch size by consumed tokens, as Megatron-LM core_v0.19.0 (StepBatchsizeNumMicroBatchesCalculator); with --global-batch-size when they agree
 --decrease-batch-size-if-needed	decrease_batch_size_if_needed	0	False	3	not available in megazero: drop it to train what Megatron trains by default
 --empty-unused-memory-level	empty_unused_memory_level	1	0	2	runtime mechanics or an option of a component not used here: same numbers
 --check-weight-hash-across-dp-replicas-interval	check_weight_hash_across_dp_replicas_interval	1	None	2	runtime mechanics or an option of a component not used here: same numbers

@@ -140,8 +140,11 @@ def test_lr_advances_by_the_current_batch_size():
 
 
 def test_validation(capsys):
-    args = parse_args(BASE + ["--train-samples", "300", "--step-batch-size-schedule", "0:4 10K:8"], world_size=2)
-    assert args.global_batch_size == 4 and args.train_iters == 75
+    args = parse_args(BASE + ["--train-samples", "300", "--step-batch-size-schedule", "0:4 1K:8"], world_size=2)
+    assert args.train_iters == 25 + 25 and args.global_batch_size == 2  # Megatron's default micro x DP (eval)
+    args = parse_args(BASE + ["--train-samples", "40", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24"],
+                      world_size=2)
+    assert args.train_iters == 9 and "ramp-up honoured as in Megatron-LM core_v0.17.1" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--train-iters", "10", "--rampup-batch-size", "2", "2", "100"], world_size=2)
     assert "--rampup-batch-size takes START INCREMENT SAMPLES, needs --train-samples" in capsys.readouterr().err
