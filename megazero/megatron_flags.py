@@ -142,8 +142,8 @@ def apply_megatron_flags(args, fail) -> None:
         print(harmless_line(harmless), flush=True)
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1
-    if args.overlap_grad_reduce:
-        args.zero_overlap_comm = True
+    if args.overlap_grad_reduce or getattr(args, "overlap_param_gather", False):
+        args.zero_overlap_comm = True  # both overlaps follow --zero-overlap-comm (on by default)
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"
     if args.data_args_path:
