@@ -77,6 +77,26 @@ def test_reshard_chain(tmp_path):
         assert_same_state(first, loaded)
         assert loaded.layout["tensor_model_parallel_size"] == tp
         src = dst
+    assert_tp_change_reads_rows(first, 4)
+
+
+def assert_tp_change_reads_rows(saved: CheckpointReader, tp: int) -> None:
+    """Each TP rank of another TP size gets ``to_local`` of the full tensor, bit for bit, while
+    reading only saved rows it needs: at most twice its share (a column split reads whole rows of
+    the saved pieces that hold its columns), never the whole parameter."""
+    splits = {p.name: p.split for e in saved.ranks for p in schema.entry_params(e)}
+    for rank in range(tp):
+        reader, share = CheckpointReader(saved.root, saved.iteration), 0
+        for name in reader.param_names():
+            split = splits[reader.resolve(name)]
+
+            def cut(full, split=split):
+                return full if split is None else split.to_local(full, rank, tp)
+            local = cut(reader.full_meta(name, "master"))
+            got = reader.local_range(name, "master", rank, tp, tuple(local.shape), 0, local.numel(), to_local=cut)
+            assert torch.equal(got, cut(saved.full_param(name, "master")).reshape(-1)), name
+            share += local.numel() * 4
+        assert 0 < reader.bytes_read <= 2 * share, (rank, reader.bytes_read, share)
 
 
 def test_dp2_to_dp3_uneven_shards(tmp_path):
