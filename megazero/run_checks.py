@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from megazero.data.gpt_dataset import parse_split
+from megazero.data.indexed_dataset import DataError
 from megazero.path_checks import readable_file_problem
 
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -31,6 +33,11 @@ def check_run(err, args) -> None:
         err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
     if args.lr_warmup_iters < 0:
         err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.data_path and args.split is not None:  # --split cuts a --data-path blend into train/valid/test
+        try:
+            parse_split(args.split)
+        except DataError as e:
+            err(str(e))
 
 
 def check_values(err, args) -> None:
