@@ -93,8 +93,12 @@ def setup(args, model_provider=None, forward_step_func=None):
                                            max_queue=getattr(args, "tensorboard_queue_size", 1000),
                                            wandb=open_wandb(args, launch.rank, args.world_size)))
     if launch.rank == 0:
-        print(f"> {topo.describe()}; data-parallel size {topo.dp}, {args.num_micro_batches} micro-batches per "
-              f"step, ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
+        batches = trainer.batches
+        m = ("from " if batches.varies else "") + str(batches.num_micro_batches(0))
+        if batches.varies:
+            print(batches.describe(), flush=True)
+        print(f"> {topo.describe()}; data-parallel size {topo.dp}, {m} micro-batches per step, "
+              f"ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
     trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(args.as_dict().items())))
     if args.load:
         trainer.load()
