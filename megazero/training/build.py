@@ -95,8 +95,6 @@ def setup(args, model_provider=None, forward_step_func=None):
     if launch.rank == 0:
         batches = trainer.batches
         m = ("from " if batches.varies else "") + str(batches.num_micro_batches(0))
-        if batches.varies:
-            print(batches.describe(), flush=True)
         print(f"> {topo.describe()}; data-parallel size {topo.dp}, {m} micro-batches per step, "
               f"ZeRO stage {args.zero_stage}, params {args.params_dtype}", flush=True)
     trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(args.as_dict().items())))
