@@ -477,7 +477,7 @@ TABLE = """\
 --ddp-reduce-scatter-with-fp32-accumulation	ddp_reduce_scatter_with_fp32_accumulation	0	False	3	not available in megazero: drop it to train what Megatron trains by default
 --ddp-param-name-patterns-for-fp32-local-accumulation	ddp_param_name_patterns_for_fp32_local_accumulation	+	[]	3	not available in megazero: drop it to train what Megatron trains by default
 --ddp-average-in-collective	ddp_average_in_collective	0	False	2	communication scheduling or placement: same numbers
---overlap-param-gather	overlap_param_gather	0	False	2	accepted, same numbers: the ZeRO 1/2 parameter all-gather runs at the end of the step, not yet overlapped with the next forward
+--overlap-param-gather	overlap_param_gather	0	False	1	the ZeRO 1/2 (and stage-3 persistent) parameter all-gather of step k left in flight until each module's forward in step k+1 needs it (zero/param_sync.py); on by default with --zero-overlap-comm, off with --no-zero-overlap-comm
 --overlap-param-gather-with-optimizer-step	overlap_param_gather_with_optimizer_step	0	False	2	accepted, same numbers: the parameter all-gather is not overlapped
 --no-align-param-gather	align_param_gather	0	True	2	communication scheduling or placement: same numbers
 --use-distributed-optimizer	use_distributed_optimizer	0	False	1	ZeRO stage 1 (raises --zero-stage 0 to 1)
@@ -590,7 +590,7 @@ TABLE = """\
 --heterogeneous-layers-config-path	heterogeneous_layers_config_path	1	None	3	not available in megazero: drop it to train what Megatron trains by default
 --heterogeneous-layers-config-encoded-json	heterogeneous_layers_config_encoded_json	1	None	3	not available in megazero: drop it to train what Megatron trains by default
 --log-interval	log_interval	1	100	1	as in Megatron-LM
---log-params-norm	log_params_norm	0	False	2	accepted: the parameter norm is not computed (no 'params norm' field)
+--log-params-norm	log_params_norm	0	False	1	'params norm' in the log line and TensorBoard 'params-norm', as Megatron-LM core_v0.15.0 (after the step, each parameter once)
 --log-throughput	log_throughput	0	False	1	print throughput per GPU in the log line
 --log-progress	log_progress	0	False	2	profiling or diagnostics only
 --timing-log-level	timing_log_level	1	0	2	profiling or diagnostics only
@@ -604,14 +604,14 @@ TABLE = """\
 --log-memory-to-tensorboard	log_memory_to_tensorboard	0	False	1	memory scalars
 --log-memory-interval	log_memory_interval	1	None	2	profiling or diagnostics only
 --log-device-memory-used	log_device_memory_used	0	False	2	profiling or diagnostics only
---log-num-zeros-in-grad	log_num_zeros_in_grad	0	False	2	accepted: the zero count of the gradient is not computed (no 'num zeros' field)
+--log-num-zeros-in-grad	log_num_zeros_in_grad	0	False	1	'num zeros' in the log line and TensorBoard 'num-zeros', as Megatron-LM core_v0.15.0 (unscaled gradients; none for a skipped step)
 --log-max-attention-logit	log_max_attention_logit	0	False	2	accepted: not computed (no 'max_attention_logit' scalar)
 --no-barrier-with-level-1-timing	barrier_with_L1_time	0	True	2	profiling or diagnostics only
 --log-world-size-to-tensorboard	log_world_size_to_tensorboard	0	False	1	world-size scalar
---wandb-project	wandb_project	1	None	2	accepted: nothing is sent to Weights & Biases yet (TensorBoard holds the scalars)
---wandb-exp-name	wandb_exp_name	1	None	2	accepted: nothing is sent to Weights & Biases yet
---wandb-save-dir	wandb_save_dir	1	None	2	accepted: nothing is sent to Weights & Biases yet
---wandb-entity	wandb_entity	1	None	2	accepted: nothing is sent to Weights & Biases yet
+--wandb-project	wandb_project	1	None	1	the TensorBoard scalars also to Weights & Biases from the last rank, as Megatron-LM core_v0.19.0, when the wandb package is installed (pip install 'megazero[wandb]'); without it one rank-0 line and nothing is sent
+--wandb-exp-name	wandb_exp_name	1	None	1	the W&B run name (wandb.init name=), as Megatron-LM
+--wandb-save-dir	wandb_save_dir	1	None	1	the W&B run folder; default <--save>/wandb, as Megatron-LM
+--wandb-entity	wandb_entity	1	None	1	the W&B entity (team), as Megatron-LM
 --logging-level	logging_level	1	None	2	profiling or diagnostics only
 --log-energy	log_energy	0	False	2	profiling or diagnostics only
 --moe-routing-trace-path	moe_routing_trace_path	1	None	2	profiling or diagnostics only

@@ -56,9 +56,30 @@ def megatron_flags() -> list[MegatronFlag]:
     return rows
 
 
+# Class 1 flags whose meaning lives in the logging code (training/logger.py, zero/norms.py, the
+# ZeRO overlap): registered by add_compat_flags unless megazero.arguments already has them.
+HONOURED_LOGGING_FLAGS = (
+    ("--log-params-norm", dict(action="store_true", help="'params norm' in the log line and TensorBoard")),
+    ("--log-num-zeros-in-grad", dict(action="store_true", help="'num zeros' in the log line and TensorBoard")),
+    ("--wandb-project", dict(default=None, help="also send the TensorBoard scalars to this W&B project "
+                                                "(needs the wandb package; else one rank-0 line)")),
+    ("--wandb-exp-name", dict(default=None, help="the W&B run name")),
+    ("--wandb-save-dir", dict(default=None, help="the W&B run folder (default <--save>/wandb)")),
+    ("--wandb-entity", dict(default=None, help="the W&B entity")),
+    ("--overlap-param-gather", dict(action="store_true", help="ZeRO 1/2 parameter all-gather overlapped with the "
+                                                              "next forward (megazero's default, --zero-overlap-comm)")),
+)
+
+
 def add_compat_flags(parser: argparse.ArgumentParser) -> None:
-    """Register the class 2 and 3 flags that ``parser`` does not already have."""
+    """Register :data:`HONOURED_LOGGING_FLAGS` and the class 2 and 3 flags that ``parser`` does not
+    already have."""
     known = {opt for action in parser._actions for opt in action.option_strings}
+    logging = parser.add_argument_group("Megatron-LM logging flags")
+    for name, kwargs in HONOURED_LOGGING_FLAGS:
+        if name not in known:
+            logging.add_argument(name, **kwargs)
+            known.add(name)
     groups = {2: parser.add_argument_group("Megatron-LM flags with no effect here (accepted; named at start-up)"),
               3: parser.add_argument_group("Megatron-LM flags not available here (an error unless Megatron's "
                                            "default; docs/megatron.md says what to use instead)")}

@@ -13,7 +13,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24",
         "--train-samples", "40", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-samples", "8",
         "--lr-decay-style", "linear", "--attention-dropout", "0", "--hidden-dropout", "0", "--eval-iters", "0",
-        "--mock-data", "--vocab-size", "100", "--seed", "3", "--log-interval", "1", "--use-distributed-optimizer"]
+        "--mock-data", "--vocab-size", "100", "--seed", "3", "--log-interval", "1", "--use-distributed-optimizer",
+        "--log-params-norm", "--log-num-zeros-in-grad"]
 LINE = re.compile(r"^ \[[^]]+\] iteration +(\d+)/ +(\d+) \|")
 
 
@@ -57,5 +58,6 @@ def test_rampup_by_hand_and_resumed_mid_ramp_equals_uninterrupted(tmp_path):
     assert sorted(resumed) == [6, 7, 8, 9]
     for i in range(1, 10):
         line = first.get(i, resumed.get(i))
-        for name in ("consumed samples", "global batch size", "learning rate", "lm loss", "grad norm"):
-            assert field(line, name) == field(full[i], name), (i, name)
+        for name in ("consumed samples", "global batch size", "learning rate", "lm loss", "grad norm", "num zeros",
+                     "params norm"):
+            assert field(line, name) == field(full[i], name) is not None, (i, name)
