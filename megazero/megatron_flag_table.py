@@ -527,7 +527,7 @@ TABLE = """\
 --sample-rate	sample_rate	1	1.0	3	this data or evaluation mode is not available (docs/data.md)
 --mask-prob	mask_prob	1	0.15	3	this data or evaluation mode is not available (docs/data.md)
 --short-seq-prob	short_seq_prob	1	0.1	3	this data or evaluation mode is not available (docs/data.md)
---num-workers	num_workers	1	2	2	data loading mechanics: same samples
+--num-workers	num_workers	1	2	1	0 reads on the main thread; >= 1 one background reader thread that reads and pins the next iteration's micro-batches (Megatron: DataLoader worker processes); same samples
 --reset-position-ids	reset_position_ids	0	False	1	positions restart at 0 after each end-of-document token
 --reset-attention-mask	reset_attention_mask	0	False	1	document-wise attention: block-diagonal per document within the causal mask (SDPA with a boolean mask)
 --dataloader-inter-document-masking	dataloader_inter_document_masking	0	False	3	this data or evaluation mode is not available (docs/data.md)

@@ -3,7 +3,8 @@
 Every flag of Megatron-LM's GPT training path is in :data:`megazero.megatron_flag_table.TABLE`
 with one of three classes (docs/megatron.md lists them):
 
-1. *honoured*: registered by :mod:`megazero.arguments` with Megatron's meaning;
+1. *honoured*: registered by :mod:`megazero.arguments` with Megatron's meaning (a few by
+   :data:`HONOURED_FLAGS` here);
 2. *no effect here, harmless* (kernel and fusion toggles, profiling, data-loader mechanics):
    parsed and dropped; :func:`take_compat_flags` returns them for one rank-0 start-up line;
 3. *changes training, not available* (fp8, context parallelism, MoE, ...): an error before any
@@ -56,9 +57,9 @@ def megatron_flags() -> list[MegatronFlag]:
     return rows
 
 
-# Class 1 flags whose meaning lives in the logging code (training/logger.py, zero/norms.py, the
-# ZeRO overlap): registered by add_compat_flags unless megazero.arguments already has them.
-HONOURED_LOGGING_FLAGS = (
+# Class 1 flags whose meaning lives outside megazero.arguments (training/logger.py, zero/norms.py,
+# zero/param_sync.py, data/samplers.py): registered by add_compat_flags unless arguments.py has them.
+HONOURED_FLAGS = (
     ("--log-params-norm", dict(action="store_true", help="'params norm' in the log line and TensorBoard")),
     ("--log-num-zeros-in-grad", dict(action="store_true", help="'num zeros' in the log line and TensorBoard")),
     ("--wandb-project", dict(default=None, help="also send the TensorBoard scalars to this W&B project "
@@ -68,17 +69,19 @@ HONOURED_LOGGING_FLAGS = (
     ("--wandb-entity", dict(default=None, help="the W&B entity")),
     ("--overlap-param-gather", dict(action="store_true", help="ZeRO 1/2 parameter all-gather overlapped with the "
                                                               "next forward (megazero's default, --zero-overlap-comm)")),
+    ("--num-workers", dict(type=int, default=2, help="0: micro-batches read on the main thread; >= 1: one background "
+                                                     "thread reads and pins the next iteration's (same samples)")),
 )
 
 
 def add_compat_flags(parser: argparse.ArgumentParser) -> None:
-    """Register :data:`HONOURED_LOGGING_FLAGS` and the class 2 and 3 flags that ``parser`` does not
-    already have."""
+    """Register :data:`HONOURED_FLAGS` and the class 2 and 3 flags that ``parser`` does not already
+    have."""
     known = {opt for action in parser._actions for opt in action.option_strings}
-    logging = parser.add_argument_group("Megatron-LM logging flags")
-    for name, kwargs in HONOURED_LOGGING_FLAGS:
+    honoured = parser.add_argument_group("Megatron-LM flags honoured (logging, overlap, data loading)")
+    for name, kwargs in HONOURED_FLAGS:
         if name not in known:
-            logging.add_argument(name, **kwargs)
+            honoured.add_argument(name, **kwargs)
             known.add(name)
     groups = {2: parser.add_argument_group("Megatron-LM flags with no effect here (accepted; named at start-up)"),
               3: parser.add_argument_group("Megatron-LM flags not available here (an error unless Megatron's "
