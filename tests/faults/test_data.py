@@ -118,11 +118,15 @@ def test_preprocess_write_failure_leaves_nothing(tmp_path):
 
 
 def test_pretrain_data_error_is_one_line(tmp_path):
+    """A missing dataset is named while parsing (exit 2); a corrupt one when it is opened (exit 1)."""
+    prefix = _dataset(str(tmp_path / "d"), _docs())
+    raw = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(b"garbage" + raw[7:])
     cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, "--train-iters", "2", "--tokenizer-type",
-           "NullTokenizer", "--vocab-size", "100", "--data-path", str(tmp_path / "missing")]
+           "NullTokenizer", "--vocab-size", "100", "--data-path", prefix, "--split", "1,0,0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "data error: " in out.stderr and "missing.idx: no such file" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"rank 0: data error: {prefix}.idx: wrong magic")
 
 
 def test_preprocess_untokenizable_line_named_and_skippable(tmp_path):
