@@ -179,6 +179,16 @@ def _results(a, systems, times, logs) -> list[dict]:
     return lines
 
 
+def markdown(lines: list[dict], load: str) -> list[str]:
+    """The docs/benchmarks.md "Loop" table rows of one run's ``loop`` results."""
+    out = ["| ZeRO | --log-interval | peer | megazero ms/iter | peer ms/iter | ratio (medians) | paired ratio | "
+           "target | load (1 min) |", "|---|---|---|---|---|---|---|---|---|"]
+    for j in lines:
+        out.append(f"| {j['stage']} | {j['log_interval']} | {j['peer']} | {j['megazero_ms']:.0f} | {j['peer_ms']:.0f} | "
+                   f"**{j['ratio']:.2f}** | {j['paired_ratio']:.2f} | {j['target']} | {load} |")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
@@ -196,14 +206,15 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=1024)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(json.dumps({"kind": "config", **vars(a), "load": os.getloadavg()[0], "torch": torch.__version__}),
-          flush=True)
+    before = os.getloadavg()[0]
+    print(json.dumps({"kind": "config", **vars(a), "load": before, "torch": torch.__version__}), flush=True)
     t0 = time.perf_counter()
     results = run_distributed(_bench, a.ranks, a, timeout_s=3600, collective_timeout_s=600)[-1]
     for line in results:
         print(json.dumps(line), flush=True)
-    print(json.dumps({"kind": "load", "after": os.getloadavg()[0], "seconds": round(time.perf_counter() - t0, 1)}),
-          flush=True)
+    after = os.getloadavg()[0]
+    print(json.dumps({"kind": "load", "after": after, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    print("\n".join(markdown(results, f"{before:.1f} -> {after:.1f}")), flush=True)
 
 
 if __name__ == "__main__":
