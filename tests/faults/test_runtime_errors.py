@@ -78,3 +78,15 @@ def test_file_size_limit_during_the_first_save(tmp_path):
     assert line.startswith(f"rank 0: checkpoint error: saving {ck}/iter_0000001 failed (rank 0: "), line
     assert line.endswith("latest_checkpointed_iteration.txt still names the previous checkpoint"), line
     assert sorted(os.listdir(ck)) == []  # no iter_*.tmp, no pointer; the lock is released at exit
+
+
+def test_a_missing_load_folder_starts_from_scratch_or_exits_when_told(tmp_path, capsys):
+    """Megatron's requeue scripts: the first run's --load does not exist yet."""
+    argv = TINY + MOCK + ["--train-iters", "1", "--load", str(tmp_path / "nock")]
+    with pytest.raises(SystemExit) as exc:  # sys.exit(), as Megatron's load_checkpoint
+        _pretrain_in_process(argv + ["--exit-on-missing-checkpoint"])
+    assert exc.value.code in (0, None)
+    assert f">> no checkpoint in --load {tmp_path}/nock and --exit-on-missing-checkpoint is set: exiting" in (
+        capsys.readouterr().out)
+    assert _pretrain_in_process(argv) == 0
+    assert f"no latest_checkpointed_iteration.txt in {tmp_path}/nock: starting from scratch" in capsys.readouterr().out

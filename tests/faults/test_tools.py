@@ -103,3 +103,15 @@ def test_preprocess_on_a_full_disk_leaves_nothing(tmp_path):
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         f"error: {disk}/c_*: no space left on device (ENOSPC: free some space, or write elsewhere)"], out.stderr
     assert list(kept.iterdir()) == []  # no *.tmp-PID, no outputs
+
+
+def test_preprocess_names_a_missing_input(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("preprocess_data", ROOT / "tools" / "preprocess_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["--input", str(tmp_path / "none.jsonl"), "--output-prefix", str(tmp_path / "out" / "c"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert tool.main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path}/none.jsonl: no such file"]
+    assert not (tmp_path / "out").exists()
