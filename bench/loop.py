@@ -184,7 +184,8 @@ def markdown(lines: list[dict], load: str) -> list[str]:
     out = ["| ZeRO | --log-interval | peer | megazero ms/iter | peer ms/iter | ratio (medians) | paired ratio | "
            "target | load (1 min) |", "|---|---|---|---|---|---|---|---|---|"]
     for j in lines:
-        out.append(f"| {j['stage']} | {j['log_interval']} | {j['peer']} | {j['megazero_ms']:.0f} | {j['peer_ms']:.0f} | "
+        out.append(f"| {j['stage']} | {j['log_interval']} | {j['peer']} | {j['megazero_ms']:.0f} | "
+                   f"{j['peer_ms']:.0f} | "
                    f"**{j['ratio']:.2f}** | {j['paired_ratio']:.2f} | {j['target']} | {load} |")
     return out
 

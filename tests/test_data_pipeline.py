@@ -87,7 +87,8 @@ def test_micro_batches_equal_the_former_iterator(masks, dp, pp, num_workers):
             t = topo(dp, dp_rank, pp, pp_rank)
             keys = stage_keys(t, masks, rope=True)
             ds = CountingDataset(200)
-            ref = reference_iterator(CountingDataset(200), 6, seq_length=S, micro_batch_size=MBS, topo=t, device="cpu", masks=masks)
+            ref = reference_iterator(CountingDataset(200), 6, seq_length=S, micro_batch_size=MBS, topo=t,
+                                     device="cpu", masks=masks)
             with source(ds, 6, t, keys=keys, masks=masks, num_workers=num_workers, read_ahead=counts[0]) as src:
                 for k, m in enumerate(counts):
                     got = src.next_batch(m, read_ahead=counts[(k + 1) % len(counts)])

@@ -168,33 +168,11 @@ class DocumentMasks:
         return out
 
 
-def micro_batch_iterator(dataset, consumed_samples: int, *, seq_length: int, micro_batch_size: int,
-                         topo: Topology, device, cycle: bool = False, masks: DocumentMasks | None = None):
-    """Yield this DP rank's micro-batches (dicts of tensors on ``device``: ``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids``, and ``attention_mask`` with ``--reset-attention-mask``) from
-    ``consumed_samples`` on; ``masks`` (:class:`DocumentMasks`) for Megatron's eod switches."""
-    from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
-    position_ids = torch.arange(seq_length, device=device).unsqueeze(0).expand(micro_batch_size, -1)
-    start = consumed_samples
-    while True:
-        sampler = PretrainingSampler(len(dataset), start, micro_batch_size, topo.dp_rank, topo.dp)
-        for indices in sampler:
-            tokens, labels = (t.to(device) for t in get_tokens_and_labels(collate([dataset[i] for i in indices])))
-            if masks is not None:
-                yield {"tokens": tokens, "labels": labels, **masks(tokens)}
-                continue
-            yield {"tokens": tokens, "labels": labels, "position_ids": position_ids,
-                   "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
-        if not cycle:
-            raise RuntimeError(f"ran out of training samples ({len(dataset)})")
-        start = 0
-
-
 MICRO_BATCH_KEYS = frozenset({"tokens", "labels", "loss_mask", "position_ids", "attention_mask"})
 _READ_KEYS = frozenset({"tokens", "labels", "loss_mask", "attention_mask"})  # need the samples' tokens
 
 
-def stage_keys(topo, masks: DocumentMasks | None = None, rope: bool = False) -> frozenset:
+def stage_keys(topo: Topology, masks: DocumentMasks | None = None, rope: bool = False) -> frozenset:
     """The micro-batch entries this pipeline rank's chunks read (``gpt_forward_step``):
 
     * the first stage (virtual stage 0, the embedding): ``tokens``, ``position_ids``;
@@ -263,9 +241,9 @@ class MicroBatchSource:
     from pinned memory. A dataset error is raised by :meth:`next_batch` as the dataset raised it.
     """
 
-    def __init__(self, dataset, consumed_samples: int, *, seq_length: int, micro_batch_size: int, topo, device,
-                 keys: frozenset | None = None, masks: DocumentMasks | None = None, cycle: bool = False,
-                 num_workers: int = 1, read_ahead: int = 1):
+    def __init__(self, dataset, consumed_samples: int, *, seq_length: int, micro_batch_size: int,
+                 topo: Topology, device, keys: frozenset | None = None, masks: DocumentMasks | None = None,
+                 cycle: bool = False, num_workers: int = 1, read_ahead: int = 1):
         from megazero.data.samplers import ReadAhead, micro_batch_indices
         self.device = torch.device(device)
         self.keys = MICRO_BATCH_KEYS if keys is None else frozenset(keys)
