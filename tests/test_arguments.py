@@ -141,7 +141,8 @@ def test_megatron_flag_classes():
     class 3 otherwise: one error naming it; both iteration and sample lengths: an error."""
     args = parse_args(BASE + ["--use-mcore-models", "--num-workers", "4", "--context-parallel-size", "1",
                               "--use-distributed-optimizer", "--split", "'99,1,0'"], world_size=8)
-    assert args.megatron_no_effect == ("--num-workers", "--use-mcore-models") and args.zero_stage == 1
+    assert args.megatron_no_effect == ("--use-mcore-models",) and args.zero_stage == 1
+    assert args.num_workers == 4  # honoured: micro-batches read ahead on a background thread (training/data.py)
     assert args.split == "99,1,0" and not any(k.startswith("megatron:") for k in vars(args))
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--context-parallel-size", "2", "--fp8-format", "hybrid"], world_size=8)
