@@ -41,9 +41,9 @@ class ModelStages:
     * ``aliases``: ``{copy name: canonical name}`` of the shared parameters, so a checkpoint reader
       can read a copy from its canonical parameter (and writers may skip it).
     * ``param_init``: None when the chunks hold real parameters; for chunks built on the meta
-      device (:func:`provider_options`), ``param_init(param)`` is the parameter's initial value
-      (fp32, CPU, its TP-local shape), which ZeRO materializes region by region (stage 3: unit
-      by unit, straight into this rank's shard).
+      device (a ZeRO-3 run, :func:`provider_options`), ``param_init(param)`` is the parameter's
+      initial value (fp32, CPU, its TP-local shape), which ZeRO materializes region by region
+      (stage 3: unit by unit, straight into this rank's shard).
     """
 
     chunks: list[nn.Module]
@@ -60,17 +60,17 @@ ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
 
 
 def provider_options(provider, zero_stage: int) -> dict:
-    """``{"device": "meta"}`` for a ``model_provider`` that takes a ``device`` keyword (it then
-    builds on the meta device and returns ``param_init``); ``{}`` otherwise, so a provider without
-    the keyword builds as before. Optional provider arguments are detected by signature, as
-    Megatron does for its ``vp_stage``.
+    """``{"device": "meta"}`` for a ZeRO-3 run of a ``model_provider`` that takes a ``device``
+    keyword (it then builds on the meta device and returns ``param_init``); ``{}`` otherwise, so
+    a provider without the keyword builds as before. Optional provider arguments are detected by
+    signature, as Megatron does for its ``vp_stage``.
 
-    Every ZeRO stage (``zero_stage`` 0-3) builds on the meta device: the optimizer's regions
-    materialize the parameters one at a time from ``param_init`` straight into their flat
-    buffers, so the build's transient is one parameter's fp32 draw (stage 3: one unit's full
-    parameters), never a second copy of the model; the values are the eager build's bit for bit
-    (``tests/zero/test_meta_build.py``)."""
-    if 0 <= zero_stage <= 3 and "device" in inspect.signature(provider).parameters:
+    Stages 0-2 build eagerly: the optimizer accepts meta parameters at every stage (regions
+    materialize them one at a time, bit-equal to the eager build, ``tests/zero/test_meta_build.py``),
+    but the layers' meta build computes each TP-local shape with ``torch.cat`` on meta tensors,
+    whose first call imports ``torch._dynamo`` (5-8 s per process on a 2-core machine), a cost
+    only the stage whose promise needs it pays for now."""
+    if zero_stage == 3 and "device" in inspect.signature(provider).parameters:
         return {"device": "meta"}
     return {}
 
