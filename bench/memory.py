@@ -4,6 +4,9 @@ formulas. Run one configuration after another (never two at once)::
 
     PYTHONPATH=. .venv/bin/python bench/memory.py                       # stages 0-3 x DP 2, 4; 8 x 1024, Φ 152M
     PYTHONPATH=. .venv/bin/python bench/memory.py --build-only --stages 3 --dp 8 --layers 16 --hidden 2048
+    PYTHONPATH=. .venv/bin/python bench/memory.py --dp 4 --stages 1 3 --mmap-threshold 1048576
+    PYTHONPATH=. .venv/bin/python bench/memory.py --save-timing --stages 3 --dp 2 --layers 2 --hidden 512 \
+        --heads 8 --dtype fp32 --rounds 3       # the saving step with and without --async-save
 
 Each rank is a forked process (``megazero.testing.run_distributed``, one intra-op thread). Before a
 phase it resets its kernel peak-RSS counter (``/proc/self/clear_refs`` = 5, Linux) and after it
@@ -20,6 +23,8 @@ largest unit's full parameters and gradient (stage 3; else the largest fp32 draw
 fp32 state, ``(p + 12)Φ`` = 14Φ (the gradient is not saved); a rank's exact load reads its
 fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, whose touched pages
 (clean page cache the kernel may drop) count in RSS: the load and reshard bounds add the bytes read.
+``--mmap-threshold BYTES``: each rank first calls ``megazero.zero.host_memory.return_freed_memory``
+(freed blocks of at least BYTES leave the resident set; glibc's default keeps them in its heap).
 """
 
 from __future__ import annotations

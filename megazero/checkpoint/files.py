@@ -36,9 +36,6 @@ from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_f
                                         rank_file)
 
 
-WRITER_NICENESS = 19  # the forked writer's scheduling priority: it runs on the CPU time training leaves idle
-
-
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -96,8 +93,8 @@ class PendingSave:
     def _fork_writer(self) -> None:
         """Fork the writer: the child writes the file (:meth:`_write`), sends its error, if any,
         through a pipe and leaves with ``os._exit`` (none of this process's exit handlers, no
-        collective), at the lowest CPU priority and without the zip records' CRC-32 (a checksum
-        ``torch.load`` does not verify; the bytes are otherwise a synchronous save's). Here the
+        collective), without the zip records' CRC-32 (a checksum ``torch.load`` does not verify;
+        the bytes are otherwise a synchronous save's). Here the
         state is dropped at once (the child has its own copy-on-write image: a page either
         process writes while the child lives is copied by the kernel), and a thread waits for
         the child (the pipe read and ``os.waitpid`` release the GIL)."""
@@ -109,7 +106,6 @@ class PendingSave:
                 os.close(read_fd)
                 for sig in (signal.SIGINT, signal.SIGTERM):  # a stopped job stops its writers too
                     signal.signal(sig, signal.SIG_DFL)
-                os.nice(WRITER_NICENESS)  # the training's processes come first for the CPU
                 torch.serialization.set_crc32_options(False)  # this process only; torch.load checks none
                 self._write()
                 if self.error is not None:
