@@ -60,17 +60,16 @@ ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
 
 
 def provider_options(provider, zero_stage: int) -> dict:
-    """``{"device": "meta"}`` for a ZeRO-3 run of a ``model_provider`` that takes a ``device``
-    keyword (it then builds on the meta device and returns ``param_init``); ``{}`` otherwise, so
-    a provider without the keyword builds as before. Optional provider arguments are detected by
-    signature, as Megatron does for its ``vp_stage``.
-
-    Stages 0-2 build eagerly: the optimizer accepts meta parameters at every stage (regions
-    materialize them one at a time, bit-equal to the eager build, ``tests/zero/test_meta_build.py``),
-    but the layers' meta build computes each TP-local shape with ``torch.cat`` on meta tensors,
-    whose first call imports ``torch._dynamo`` (5-8 s per process on a 2-core machine), a cost
-    only the stage whose promise needs it pays for now."""
-    if zero_stage == 3 and "device" in inspect.signature(provider).parameters:
+    """``{"device": "meta"}`` for a ``model_provider`` that takes a ``device`` keyword (it then
+    builds on the meta device and returns ``param_init``); ``{}`` otherwise, so a provider
+    without the keyword builds as before. Optional provider arguments are detected by
+    signature, as Megatron does for its ``vp_stage``. Every ZeRO stage builds on the meta device:
+    the optimizer's regions materialize the parameters one at a time, bit-equal to an eager
+    build (``tests/zero/test_meta_build.py``), so no rank holds a second copy of its model while
+    building; the layers compute their TP-local shapes by arithmetic (``TPSplit.local_shape``).
+    ``zero_stage`` is kept for providers' callers (every stage gives the same answer)."""
+    del zero_stage
+    if "device" in inspect.signature(provider).parameters:
         return {"device": "meta"}
     return {}
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .spec import to_full, to_local, unshard
+from .spec import to_full, to_local, tp_split, unshard
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
@@ -130,8 +130,8 @@ class _TPLayer(nn.Module):
             return self.full_to_local(name, full) if name in self.partitions else full
         self.param_inits[name] = init
         if torch.device(device).type == "meta":
-            meta = torch.empty(full_shape, device="meta")
-            shape = self.full_to_local(name, meta).shape if name in self.partitions else meta.shape
+            split = tp_split(self, name)  # the local shape by arithmetic: no op on meta tensors
+            shape = split.local_shape(full_shape, group_size(self.tp_group)) if split else tuple(full_shape)
             return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
         return nn.Parameter(init().to(device=device, dtype=dtype))
 

@@ -60,6 +60,20 @@ class TPSplit:
             full = padded
         return shard(full, self.dim, tp_rank, tp, self.partition_sizes)
 
+    def local_shape(self, full_shape, tp: int) -> tuple[int, ...]:
+        """The shape :meth:`to_local` gives a full tensor of ``full_shape`` at creation (no
+        tensor is made): ``dim`` padded to a multiple of ``tp`` with ``real_rows``, then ``/ tp``
+        (each logical block ``n_i / tp``, which sums to the same)."""
+        shape = [int(n) for n in full_shape]
+        n = shape[self.dim]
+        if self.real_rows is not None:
+            n = -(-n // tp) * tp
+        sizes = list(self.partition_sizes) if self.partition_sizes else [n]
+        if sum(sizes) != n or any(s % tp for s in sizes):
+            raise ValueError(f"cannot split sizes {sizes} of dim {self.dim} (shape {tuple(shape)}) {tp} ways")
+        shape[self.dim] = n // tp
+        return tuple(shape)
+
     def to_full(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The full (unpadded) tensor from every TP rank's slice, in rank order."""
         full = unshard(pieces, self.dim, self.partition_sizes)
