@@ -195,8 +195,15 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     """Write ``save/iter_NNNNNNN/`` and ``save/tokenizer/`` (see module doc); returns
     (:class:`GPTConfig`, recorded tokenizer flags)."""
     from megazero.data.hf_tokenizer import import_tokenizer_files
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        cfg = json.load(fh)
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"--hf {hf_dir}: no config.json there, so it is not a Hugging Face model folder "
+                              "(give the folder holding config.json and the *.safetensors or *.bin weights)")
+    try:
+        with open(config_path) as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: cannot be read as JSON ({e})") from e
     arch = hfmap.arch_of(cfg)
     config = hfmap.config_from_hf(cfg)
     get, have = _hf_tensors(hf_dir)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.guard import space_hint
+from megazero.failures import describe
 from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
                                         rank_file)
 
@@ -81,12 +82,14 @@ class PendingSave:
 
     def _write(self) -> None:
         path = rank_file(self.tmp, self.rank)
-        try:
-            torch.save(self.state, path + ".partial")
-            os.replace(path + ".partial", path)
+        partial = path + ".partial"
+        try:  # through a Python file: a failed write raises OSError with its errno (ENOSPC, EFBIG, ...)
+            with open(partial, "wb") as fh:
+                torch.save(self.state, fh)
+            os.replace(partial, path)
             self.bytes_written = os.path.getsize(path)
-        except BaseException as e:  # reported by finish(), on every rank
-            self.error = f"{type(e).__name__}: {e}{space_hint(self.tmp)}"
+        except BaseException as e:  # reported by finish(), on every rank: the file and the cause
+            self.error = f"{describe(e, default_file=partial)}{space_hint(self.tmp)}"
         finally:
             self.state = None  # the host tensors go as soon as they are written
 

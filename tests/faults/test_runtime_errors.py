@@ -77,6 +77,7 @@ def test_file_size_limit_during_the_first_save(tmp_path):
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith(f"rank 0: checkpoint error: saving {ck}/iter_0000001 failed (rank 0: "), line
     assert line.endswith("latest_checkpointed_iteration.txt still names the previous checkpoint"), line
+    assert "file too large (EFBIG" in line and ".partial" in line, line  # the rank file and the cause
     assert sorted(os.listdir(ck)) == []  # no iter_*.tmp, no pointer; the lock is released at exit
 
 

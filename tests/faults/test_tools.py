@@ -73,7 +73,6 @@ def test_generate_from_the_command_line_prints_no_traceback(checkpoint):
         "names the latest)"], out.stderr
 
 
-@pytest.mark.xfail(reason="convert_checkpoint.py is H13's: requested in the team file (one line for a non-HF --hf)")
 def test_from_hf_on_a_folder_that_is_not_a_model(tmp_path, capsys):
     from tests.checkpoint.test_convert_checkpoint import tool
     (tmp_path / "notes").mkdir()
