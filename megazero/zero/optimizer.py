@@ -46,6 +46,7 @@ from .param_sync import ParamSync
 from .stage3 import ParamGatherer
 from .accounting import StateAccounting
 from .grad_sync import GradientSync
+from .norms import count_zeros as zeros_in
 from .state import ShardState
 
 
@@ -118,7 +119,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.host = host_reads if host_reads is not None else HostReads()
         self._scale_tensor = None  # the loss scale on the device (see loss_scale)
         self._grads = None  # unscaled fp32 gradients between grad_partials and apply_step
-        gathered = [r for r in self.regions if r.stage in (1, 2, 3) and not r.partitioned]
+        gathered = any(r.stage >= 1 and not r.partitioned for r in self.regions)  # regions with an all-gather
         self.param_sync = ParamSync(chunks, self.regions) if overlap_param_gather and gathered else None
         self._inflight = []
         self._max_inflight = 4 if stage >= 2 else 1 << 30
@@ -165,8 +166,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         pieces = [g[a:b] for r, g in zip(self.regions, grads) for a, b in r.norm_segments]
         parts = [sum_of_squares(pieces, self.device).reshape(1)]
         if count_zeros:
-            from .norms import count_zeros as zeros_of
-            parts.append(zeros_of(pieces, self.device).reshape(1).float())
+            parts.append(zeros_in(pieces, self.device).reshape(1).float())
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         if over_world and self.stage == 0 and self.topo.dp_rank != 0:
             out.zero_()
