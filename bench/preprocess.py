@@ -43,6 +43,87 @@ def run(script, *args):
     return dt
 
 
+def _tokenizer_rows(args, texts, tmp) -> tuple[list, dict]:
+    """Train both tokenizers; returns the timing rows and each kind's preprocess_data.py flags."""
+    from megazero.data.bpe_trainer import train_byte_level_bpe, write_gpt2_files
+    rows = []
+    t = run("train_tokenizer.py", "--input", args.input, "--vocab-size", "4096", "--output-prefix", f"{tmp}/sp")
+    rows.append(("train sentencepiece (vocab 4096)", t, None))
+    t0 = time.perf_counter()
+    vocab, merges = train_byte_level_bpe(texts, args.bpe_merges)
+    write_gpt2_files(vocab, merges, f"{tmp}/vocab.json", f"{tmp}/merges.txt")
+    rows.append((f"train byte-level BPE ({len(vocab)} ids)", time.perf_counter() - t0, None))
+    kinds = {"sentencepiece": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", f"{tmp}/sp.model"],
+             "gpt2-bpe": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{tmp}/vocab.json",
+                          "--merge-file", f"{tmp}/merges.txt"]}
+    return rows, kinds
+
+
+def _preprocess_rows(args, raw: bytes, mb: float, kinds: dict, tmp: str) -> list:
+    """preprocess_data.py per tokenizer and worker count, on the corpus and on ``--scale`` copies."""
+    rows = []
+    for name, flags in kinds.items():
+        for w in args.workers:
+            t = run("preprocess_data.py", "--input", args.input, "--output-prefix",
+                    f"{tmp}/{name}{w}", "--append-eod", "--workers", str(w), *flags)
+            rows.append((f"preprocess {name}, {w} worker(s)", t, mb / t))
+    if args.scale > 1:
+        big = f"{tmp}/big.jsonl"
+        with open(big, "wb") as f:
+            for _ in range(args.scale):
+                f.write(raw)
+        for name, flags in kinds.items():
+            for w in args.workers:
+                t = run("preprocess_data.py", "--input", big, "--output-prefix",
+                        f"{tmp}/big-{name}{w}", "--append-eod", "--workers", str(w), *flags)
+                rows.append((f"preprocess {name}, {w} worker(s), corpus x{args.scale} (plain JSONL)",
+                             t, args.scale * mb / t))
+    return rows
+
+
+def _hf_peer_row(texts, mb: float, tmp: str) -> tuple:
+    """The peer: Hugging Face ``tokenizers`` encoding with the same BPE files (when installed)."""
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except ImportError:
+        return ("peer: HF tokenizers not installed", float("nan"), None)
+    hf = Tokenizer(models.BPE.from_file(f"{tmp}/vocab.json", f"{tmp}/merges.txt"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    t0 = time.perf_counter()
+    for text in texts:
+        hf.encode(text)
+    t = time.perf_counter() - t0
+    return ("peer: HF tokenizers (Rust) BPE encode only, 1 thread", t, mb / t)
+
+
+def _index_rows(args, tmp: str) -> list:
+    """Dataset index build, cached load, random reads and a blending index."""
+    import numpy as np
+
+    from megazero.data.gpt_dataset import build_blending_indices, build_train_valid_test_datasets
+    rows = []
+    prefix = f"{tmp}/sentencepiece{args.workers[0]}_text_document"
+    counts = (args.num_samples, 0, 0)
+    t0 = time.perf_counter()
+    tr, _, _ = build_train_valid_test_datasets([prefix], "969,30,1", args.seq_length, 1234, counts,
+                                               cache_dir=f"{tmp}/cache")
+    rows.append((f"index build: {args.num_samples:,} samples x {args.seq_length} "
+                 f"({tr.num_epochs} epochs), incl. .npy writes", time.perf_counter() - t0, None))
+    t0 = time.perf_counter()
+    build_train_valid_test_datasets([prefix], "969,30,1", args.seq_length, 1234, counts, cache_dir=f"{tmp}/cache")
+    rows.append(("index load from cache", time.perf_counter() - t0, None))
+    t0 = time.perf_counter()
+    for i in range(0, len(tr), max(1, len(tr) // 10000))[:10000]:
+        tr[i]
+    rows.append(("10,000 random samples read", time.perf_counter() - t0, None))
+    t0 = time.perf_counter()
+    which, _ = build_blending_indices([0.3, 0.7], args.num_samples)
+    rows.append((f"blending index, 2 datasets, {args.num_samples:,} samples", time.perf_counter() - t0, None))
+    assert abs(np.mean(which) - 0.7) < 1e-3
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", default=os.path.join(ROOT, "data", "kjv.jsonl.gz"))
@@ -54,83 +135,17 @@ def main():
                    help="also time a plain-JSONL copy of the corpus repeated this many times "
                         "(worker scaling shows on bigger inputs; 0 to skip)")
     args = p.parse_args()
-
-    import numpy as np
-
-    from megazero.data.bpe_trainer import train_byte_level_bpe, write_gpt2_files
-    from megazero.data.gpt_dataset import build_blending_indices, build_train_valid_test_datasets
-
     with gzip.open(args.input, "rb") as f:
         raw = f.read()
     mb = len(raw) / 1e6
     texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
     results = {"input": os.path.relpath(args.input, ROOT), "input_MB": round(mb, 3),
                "documents": len(texts), "cpus": os.cpu_count()}
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        t = run("train_tokenizer.py", "--input", args.input, "--vocab-size", "4096",
-                "--output-prefix", f"{tmp}/sp")
-        rows.append(("train sentencepiece (vocab 4096)", t, None))
-        t0 = time.perf_counter()
-        vocab, merges = train_byte_level_bpe(texts, args.bpe_merges)
-        write_gpt2_files(vocab, merges, f"{tmp}/vocab.json", f"{tmp}/merges.txt")
-        rows.append((f"train byte-level BPE ({len(vocab)} ids)", time.perf_counter() - t0, None))
-        kinds = {"sentencepiece": ["--tokenizer-type", "GPTSentencePieceTokenizer",
-                                   "--tokenizer-model", f"{tmp}/sp.model"],
-                 "gpt2-bpe": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                              f"{tmp}/vocab.json", "--merge-file", f"{tmp}/merges.txt"]}
-        for name, flags in kinds.items():
-            for w in args.workers:
-                t = run("preprocess_data.py", "--input", args.input, "--output-prefix",
-                        f"{tmp}/{name}{w}", "--append-eod", "--workers", str(w), *flags)
-                rows.append((f"preprocess {name}, {w} worker(s)", t, mb / t))
-        if args.scale > 1:
-            big = f"{tmp}/big.jsonl"
-            with open(big, "wb") as f:
-                for _ in range(args.scale):
-                    f.write(raw)
-            for name, flags in kinds.items():
-                for w in args.workers:
-                    t = run("preprocess_data.py", "--input", big, "--output-prefix",
-                            f"{tmp}/big-{name}{w}", "--append-eod", "--workers", str(w), *flags)
-                    rows.append((f"preprocess {name}, {w} worker(s), corpus x{args.scale} "
-                                 "(plain JSONL)", t, args.scale * mb / t))
-        try:
-            from tokenizers import Tokenizer, models, pre_tokenizers
-
-            hf = Tokenizer(models.BPE.from_file(f"{tmp}/vocab.json", f"{tmp}/merges.txt"))
-            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            os.environ["RAYON_NUM_THREADS"] = "1"
-            t0 = time.perf_counter()
-            for text in texts:
-                hf.encode(text)
-            t = time.perf_counter() - t0
-            rows.append(("peer: HF tokenizers (Rust) BPE encode only, 1 thread", t, mb / t))
-        except ImportError:
-            rows.append(("peer: HF tokenizers not installed", float("nan"), None))
-
-        prefix = f"{tmp}/sentencepiece{args.workers[0]}_text_document"
-        t0 = time.perf_counter()
-        tr, _, _ = build_train_valid_test_datasets([prefix], "969,30,1", args.seq_length, 1234,
-                                                   (args.num_samples, 0, 0),
-                                                   cache_dir=f"{tmp}/cache")
-        build = time.perf_counter() - t0
-        rows.append((f"index build: {args.num_samples:,} samples x {args.seq_length} "
-                     f"({tr.num_epochs} epochs), incl. .npy writes", build, None))
-        t0 = time.perf_counter()
-        build_train_valid_test_datasets([prefix], "969,30,1", args.seq_length, 1234,
-                                        (args.num_samples, 0, 0), cache_dir=f"{tmp}/cache")
-        rows.append(("index load from cache", time.perf_counter() - t0, None))
-        t0 = time.perf_counter()
-        for i in range(0, len(tr), max(1, len(tr) // 10000))[:10000]:
-            tr[i]
-        rows.append(("10,000 random samples read", time.perf_counter() - t0, None))
-        t0 = time.perf_counter()
-        which, _ = build_blending_indices([0.3, 0.7], args.num_samples)
-        rows.append((f"blending index, 2 datasets, {args.num_samples:,} samples",
-                     time.perf_counter() - t0, None))
-        assert abs(np.mean(which) - 0.7) < 1e-3
-
+        rows, kinds = _tokenizer_rows(args, texts, tmp)
+        rows += _preprocess_rows(args, raw, mb, kinds, tmp)
+        rows.append(_hf_peer_row(texts, mb, tmp))
+        rows += _index_rows(args, tmp)
     print(f"corpus {results['input']}: {results['documents']} documents, {mb:.2f} MB JSON, "
           f"{results['cpus']} CPUs")
     for name, t, rate in rows:
