@@ -114,6 +114,20 @@ def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[torch.
 
 
 @torch.inference_mode()
+def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cache) -> torch.Tensor:
+    """One decoding step's logits: with a KV cache only the new tokens run; without one
+    (``cache`` None) the whole sequence is recomputed, a fresh cache supplying only the
+    positions and the attention mask."""
+    if cache is None:
+        cache = InferenceCache(step_input.shape[0], step_input.shape[1], step_input.device)
+        cache.prepare(step_valid)
+        return model(step_input, inference_cache=cache)
+    cache.prepare(step_valid)
+    logits = model(step_input, inference_cache=cache)
+    cache.advance()
+    return logits
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | None = None, greedy: bool = True,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              use_cache: bool = True) -> GenerationResult:
@@ -143,14 +157,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     t0 = time.perf_counter()
     prefill_s, steps = 0.0, 0
     for step in range(max_new_tokens):
-        if use_cache:
-            cache.prepare(step_valid)
-            logits = model(step_input, inference_cache=cache)
-            cache.advance()
-        else:  # recompute the whole sequence (a fresh cache only supplies positions and the mask)
-            full = InferenceCache(b, step_input.shape[1], device)
-            full.prepare(step_valid)
-            logits = model(step_input, inference_cache=full)
+        logits = _step_logits(model, step_input, step_valid, cache)
         nxt = sample(last_logits(model, logits), greedy, temperature, top_k, top_p, gen).cpu()
         nxt = _agree(nxt.to(device), model.tp_group).cpu()
         nxt = torch.where(done, out[:, step], nxt)  # stopped rows keep their filler
