@@ -5,7 +5,7 @@
 on DP rank 0 only, its optimizer shard, LR scheduler, counters, RNG; nothing gathered); rank 0
 gathers every rank's index entry (:func:`reshard.rank_index`) and writes ``metadata.json`` with
 the layout, the saved arguments and the model's aliases, so that any layout can load it.
-``start_save(..., background=True)`` writes in a forked process (``--async-save``).
+``start_save(..., writer=AsyncWriter())`` hands the write to the rank's writer process (``--async-save``).
 
 :func:`load_run` (collective) reads the pointer and takes one of two paths, the same on every rank:
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import files, schema
+from megazero.checkpoint.async_writer import AsyncWriter
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.reshard import check_model_shape, load_resharded, named_parameters, rank_index, same_layout
 from megazero.checkpoint.rng import restore_rng, rng_state
@@ -69,7 +70,7 @@ def _print0(text: str) -> None:
 
 def _host(obj):
     """``obj`` with every tensor on the CPU: one copy from an accelerator, the live tensor on the
-    CPU (a synchronous save writes it before the next step; a background one forks first)."""
+    CPU (a synchronous save writes it, an asynchronous one copies it, before the next step)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu")
     if isinstance(obj, dict):
@@ -99,11 +100,12 @@ def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: d
 
 def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
                consumed_samples: int, layout: dict, saved_args: dict, save_optim: bool = True,
-               save_rng: bool = True, background: bool = False) -> files.PendingSave:
+               save_rng: bool = True, writer: AsyncWriter | None = None) -> files.PendingSave:
     """Begin saving checkpoint ``iteration`` under ``root`` (collective): snapshot this rank's
     part to host memory (copies only from an accelerator), gather the index to rank 0, and write
-    the rank file -- in a forked writer process when ``background`` (``--async-save``: the fork is
-    the snapshot; :class:`~.files.PendingSave`). Call ``.finish()`` (collective) to publish.
+    the rank file -- or, given a ``writer`` (``--async-save``), copy it into the writer's shared
+    buffer and let its process write it (:class:`~.async_writer.AsyncWriter`). Call ``.finish()``
+    (collective) to publish.
 
     ``stages``: a :class:`~megazero.model.stages.ModelStages` (``chunks``, ``rng_states``,
     ``aliases``); ``counters``: ``{"skipped", "nans"}``; ``layout``: :func:`schema.layout`;
@@ -119,12 +121,12 @@ def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | No
         indices = [index]
     meta = schema.metadata(iteration, consumed_samples, layout, saved_args,
                            schema.make_index(indices or [], stages.aliases)) if rank == 0 else {}
-    return files.PendingSave(root, iteration, rank, state, meta).start(background=background)
+    return files.PendingSave(root, iteration, rank, state, meta).start(writer)
 
 
 def save_run(root: str, **kwargs) -> str:
     """Save checkpoint ``iteration`` under ``root`` and publish it; returns its folder. Collective.
-    Keywords: those of :func:`start_save` (without ``background``)."""
+    Keywords: those of :func:`start_save` (without ``writer``)."""
     return start_save(root, **kwargs).finish()
 
 

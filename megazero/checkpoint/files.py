@@ -7,12 +7,10 @@ the folder and rewrite ``latest_checkpointed_iteration.txt``. A rank killed mid-
 previous checkpoint, and the pointer to it, untouched; the stale ``.tmp`` folder is cleared by
 the next save.
 
-``--async-save``: the same protocol, the rank file written by a forked writer process
-(:class:`PendingSave`; Megatron-LM core_v0.19.0 forks one per save too,
-``megatron/core/dist_checkpointing/strategies/async_utils.py: TemporalAsyncCaller``): the child is a
-copy-on-write image of the rank at the moment of the save, so it needs no host copy of CPU tensors
-and its pickling and writing never hold the training process's GIL. The next save, or the end of
-training, finishes it first.
+``--async-save``: the same protocol, the rank file written by the rank's long-lived writer
+process from a host snapshot in shared memory (:class:`~.async_writer.AsyncWriter`, as
+Megatron-LM's ``PersistentAsyncCaller``); the file's bytes are a synchronous save's. The next
+save, or the end of training, finishes it first.
 
 Reading: rank files are loaded with ``torch.load(weights_only=True)`` (tensors and plain values
 only); a missing, truncated or unsafe file raises :class:`CheckpointError` naming it.
@@ -24,13 +22,12 @@ import glob
 import json
 import os
 import shutil
-import signal
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.async_writer import AsyncWriter, WriterDied
 from megazero.checkpoint.guard import space_hint
 from megazero.failures import describe
 from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
@@ -53,29 +50,29 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 class PendingSave:
     """One checkpoint being saved: :meth:`start` opens the temporary folder (collective) and
-    writes this rank's file, in a forked writer process when ``background``; :meth:`finish`
-    (collective) waits for it, agrees with every rank that all files were written, then rank 0
-    writes ``metadata.json``, renames the folder and rewrites the pointer last. A failed write
-    on any rank -- an exception in the writer, or the writer killed -- raises
-    :class:`CheckpointError` on every rank naming it; the pointer is left on the previous
-    checkpoint. ``state`` holds host tensors: a synchronous save writes them before the training
-    continues; a background one writes them as they were when :meth:`start` forked."""
+    writes this rank's file -- or, given an :class:`~.async_writer.AsyncWriter`, snapshots the
+    state into its shared buffer and hands it the write; :meth:`finish` (collective) waits for
+    it, agrees with every rank that all files were written, then rank 0 writes ``metadata.json``,
+    renames the folder and rewrites the pointer last. A failed write on any rank -- an exception
+    in the snapshot or the writer, or the writer killed -- raises :class:`CheckpointError` on
+    every rank naming it; the pointer is left on the previous checkpoint. ``state`` holds host
+    tensors: written (or copied to the writer's buffer) before :meth:`start` returns."""
 
     def __init__(self, root: str, iteration: int, rank: int, state: dict, metadata: dict):
         self.root, self.iteration, self.rank, self.metadata = root, iteration, rank, metadata
         self.final = iteration_dir(root, iteration)
         self.tmp = self.final + ".tmp"
-        self.state, self.error, self.thread, self.bytes_written = state, None, None, 0
+        self.state, self.error, self.writer, self.bytes_written = state, None, None, 0
         self.started = time.time()
 
-    def start(self, background: bool = False) -> "PendingSave":
+    def start(self, writer: AsyncWriter | None = None) -> "PendingSave":
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
             shutil.rmtree(self.tmp, ignore_errors=True)
             os.makedirs(self.tmp)
         _barrier()
-        if background:
-            self._fork_writer()
+        if writer is not None:
+            self._submit(writer)
         else:
             self._write()
         return self
@@ -93,57 +90,28 @@ class PendingSave:
         finally:
             self.state = None  # the host tensors go as soon as they are written
 
-    def _fork_writer(self) -> None:
-        """Fork the writer: the child writes the file (:meth:`_write`), sends its error, if any,
-        through a pipe and leaves with ``os._exit`` (none of this process's exit handlers, no
-        collective), without the zip records' CRC-32 (a checksum ``torch.load`` does not verify;
-        the bytes are otherwise a synchronous save's). Here the
-        state is dropped at once (the child has its own copy-on-write image: a page either
-        process writes while the child lives is copied by the kernel), and a thread waits for
-        the child (the pipe read and ``os.waitpid`` release the GIL)."""
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the writer process
-            status = 1
-            try:
-                os.close(read_fd)
-                for sig in (signal.SIGINT, signal.SIGTERM):  # a stopped job stops its writers too
-                    signal.signal(sig, signal.SIG_DFL)
-                torch.serialization.set_crc32_options(False)  # this process only; torch.load checks none
-                self._write()
-                if self.error is not None:
-                    os.write(write_fd, self.error.encode()[:4096])  # <= PIPE_BUF: one atomic write
-                status = 0 if self.error is None else 1
-            finally:
-                os._exit(status)
-        os.close(write_fd)
-        self.state = None
-        self.thread = threading.Thread(target=self._wait_writer, args=(pid, read_fd),
-                                       name=f"checkpoint-{self.iteration}-writer", daemon=True)
-        self.thread.start()
-
-    def _wait_writer(self, pid: int, read_fd: int) -> None:
-        """The writer's outcome: its message, or how it ended when it sent none."""
-        with os.fdopen(read_fd, "rb") as pipe:
-            message = pipe.read().decode(errors="replace")
-        _, status = os.waitpid(pid, 0)
-        if message:
-            self.error = message
-        elif os.WIFSIGNALED(status):
-            self.error = f"the writer process (pid {pid}) was killed by signal {os.WTERMSIG(status)}"
-        elif os.waitstatus_to_exitcode(status) != 0:
-            self.error = f"the writer process (pid {pid}) exited with status {os.waitstatus_to_exitcode(status)}"
-        else:
-            self.bytes_written = os.path.getsize(rank_file(self.tmp, self.rank))
+    def _submit(self, writer: AsyncWriter) -> None:
+        """Snapshot into the writer's buffer and hand it the file; a failure is kept for finish()."""
+        path = rank_file(self.tmp, self.rank)
+        try:
+            writer.submit(path, self.state)
+            self.writer = writer
+        except WriterDied as e:
+            self.error = str(e)
+        except Exception as e:  # e.g. an unpicklable value, or no memory for the buffer
+            self.error = f"{path}, taking its snapshot: {describe(e)}"
+        finally:
+            self.state = None
 
     def done(self) -> bool:
         """Whether this rank's file is written (no collective)."""
-        return self.thread is None or not self.thread.is_alive()
+        return self.writer is None or self.writer.done()
 
     def finish(self) -> str:
         """Collective: wait, check every rank's write, publish; returns the checkpoint folder."""
-        if self.thread is not None:
-            self.thread.join()
+        if self.writer is not None:
+            self.error, self.bytes_written = self.writer.wait()
+            self.writer = None
         errors = [self.error]
         if dist.is_initialized():
             errors = [None] * dist.get_world_size()

@@ -7,6 +7,7 @@ import time
 
 from megazero.checkpoint import schema
 from megazero.checkpoint.api import load_run, start_save
+from megazero.checkpoint.async_writer import AsyncWriter
 
 
 def print_rank(rank: int, target: int, text: str) -> None:
@@ -22,8 +23,9 @@ class TrainerCheckpoints:
     def save(self) -> None:
         """Every rank writes what it alone owns; rank 0 adds the gathered per-rank index (names, TP
         split rules, ZeRO regions) to ``metadata.json`` so any layout can load it
-        (docs/checkpoints.md). ``--async-save``: the files are written in the background from
-        host copies; a new save (or the end of :meth:`train`) first finishes the previous one."""
+        (docs/checkpoints.md). ``--async-save``: the state is copied into this rank's writer
+        process's shared buffer and written there (:meth:`async_writer`) while training goes on;
+        a new save (or the end of :meth:`train`) first finishes the previous one."""
         args = self.args
         self.finish_save()
         self.optimizer.wait_params()
@@ -34,8 +36,8 @@ class TrainerCheckpoints:
                              consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
                              saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
                              save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-                             background=args.async_save)
-        if pending.thread is not None:
+                             writer=self.async_writer() if args.async_save else None)
+        if args.async_save:  # every rank alike: finish() is collective, whatever this rank's snapshot did
             self.pending_save = pending
             print_rank(self.rank, 0, f"saving checkpoint at iteration {self.iteration:7d} to {pending.final} "
                                       f"in the background (snapshot {time.time() - t0:.2f} s)")
@@ -43,6 +45,12 @@ class TrainerCheckpoints:
         path = pending.finish()
         print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
+
+    def async_writer(self) -> AsyncWriter:
+        """This rank's writer (``--async-save``): created at the first save, kept for the run."""
+        if self.__dict__.get("_async_writer") is None:
+            self._async_writer = AsyncWriter()
+        return self._async_writer
 
     def finish_save(self) -> None:
         """Wait for the background checkpoint (if any) and publish it (collective); a failed write

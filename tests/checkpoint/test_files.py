@@ -73,46 +73,4 @@ def test_errors_name_the_file(tmp_path):
         ckpt.check_layout(LAYOUT, now, str(d))
 
 
-class _KillsItsPickler:
-    """Pickling it kills the process that pickles (the writer), as an out-of-memory kill would."""
-
-    def __reduce__(self):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _async_save(rank, world_size, root, iteration, bad_rank, failure="exception"):
-    """--async-save's protocol: the file is written by a forked process, from the state as it was
-    at start() (the training may change it meanwhile); the pointer moves only in finish(), and
-    a failed write on any rank (an exception, or the writer killed) is raised on every rank."""
-    state = {"w": torch.full((3,), float(iteration * 10 + rank))}
-    if rank == bad_rank:  # torch.save cannot pickle a lambda: the writer fails; or it is killed
-        state["bad"] = (lambda: None) if failure == "exception" else _KillsItsPickler()
-    pending = ckpt.PendingSave(root, iteration, rank, state, {"iteration": iteration, "layout": LAYOUT})
-    pending.start(background=True)
-    state["w"].add_(1000.0)  # the next training step changes the live tensor: the file keeps the old value
-    before = ckpt.latest_iteration(root)
-    try:
-        path = pending.finish()
-    except schema.CheckpointError as e:
-        return before, str(e)
-    return before, path
-
-
-def test_async_save_publishes_in_finish_and_reports_a_failed_write(tmp_path):
-    root = str(tmp_path)
-    results = run_distributed(_async_save, 2, root, 1, -1)
-    assert [r[1] for r in results] == [schema.iteration_dir(root, 1)] * 2
-    assert all(r[0] in (None, 1) for r in results) and ckpt.latest_iteration(root) == 1
-    assert torch.equal(ckpt.load_rank_state(root, 1, 1)["w"], torch.full((3,), 11.0))
-    results = run_distributed(_async_save, 2, root, 2, 1)
-    for before, message in results:  # every rank learns that rank 1 failed, and why
-        assert before == 1 and "rank 1:" in message and "iter_0000002" in message
-    assert ckpt.latest_iteration(root) == 1 and not os.path.exists(schema.iteration_dir(root, 2))
-
-
-def test_async_save_reports_a_killed_writer(tmp_path):
-    root = str(tmp_path)
-    results = run_distributed(_async_save, 2, root, 1, 0, "killed")
-    for before, message in results:
-        assert before is None and "rank 0: the writer process" in message and "killed by signal 9" in message
-    assert ckpt.latest_iteration(root) is None and not os.path.exists(schema.iteration_dir(root, 1))
+# --async-save (the writer process): tests/checkpoint/test_async_save.py
