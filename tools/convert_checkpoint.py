@@ -33,7 +33,8 @@ legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.che
 Memory: the reader streams one full parameter at a time out of memory-mapped rank files.
 ``to-hf`` writes ``model.safetensors`` incrementally (header from the shapes first, then one
 tensor after another: :mod:`megazero.checkpoint.safetensors_stream`), so it holds one parameter;
-``to-fp32`` builds its ``torch.save`` dict in memory (one fp32 copy of the model).
+so does ``to-fp32`` (a ``torch.save`` skeleton first, then each tensor's bytes into its place:
+:mod:`megazero.checkpoint.torch_stream`).
 """
 
 from __future__ import annotations
@@ -53,24 +54,23 @@ from megazero.checkpoint import files, schema  # noqa: E402
 from megazero.checkpoint.reader import CheckpointReader  # noqa: E402
 from megazero.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: E402
 from megazero.checkpoint.schema import CheckpointError  # noqa: E402
+from megazero.checkpoint.torch_stream import save_streamed  # noqa: E402
 from megazero.model import hf as hfmap  # noqa: E402
 from megazero.model.config import GPTConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _atomic_save(obj, path: str) -> None:
-    torch.save(obj, path + ".partial")
-    os.replace(path + ".partial", path)
-
-
 # ---- megazero -> consolidated fp32 ----------------------------------------------------------
 def to_fp32(load: str, output: str, iteration: int | None = None) -> dict:
+    """Stream ``{name: full fp32 tensor}`` into ``output`` one parameter at a time
+    (:mod:`megazero.checkpoint.torch_stream`); returns the written file memory-mapped."""
     reader = CheckpointReader(load, iteration)
     kind = "master" if reader.has_optimizer else "weight"
-    out = {name: t.float() for name, t in reader.iter_full_params(kind)}
-    _atomic_save(out, output)
-    return out
+    names = reader.param_names()
+    specs = [(name, reader.full_meta(name, kind).shape, torch.float32) for name in names]
+    save_streamed(output, specs, ((name, reader.full_param(name, kind).float()) for name in names))
+    return torch.load(output, mmap=True, weights_only=True)
 
 
 # ---- megazero -> Hugging Face -----------------------------------------------------------------
