@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -128,14 +129,23 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
     return run, samples
 
 
-def _timed(run) -> tuple[float, int]:
-    """(slowest rank's wall seconds, run's return value)."""
+def _cpu_seconds() -> float:
+    """This process's user + system CPU time, all its threads (reader threads included)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def _timed(run) -> tuple[float, float, int]:
+    """(slowest rank's wall seconds, CPU seconds summed over the ranks, run's return value). The
+    CPU time is the load-insensitive diagnostic: what the system costs whatever else runs."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     value = run()
     t = torch.tensor([time.perf_counter() - t0])
+    c = torch.tensor([_cpu_seconds() - c0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item(), value
+    dist.all_reduce(c)
+    return t.item(), c.item(), value
 
 
 def _bench(rank, world, a):
@@ -149,32 +159,38 @@ def _bench(rank, world, a):
             peer, samples = peers[kind]
             systems.append((stage, li, kind, mz, lambda peer=peer, li=li, it=samples(): peer(li, it)))
     times = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
+    cpu = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
     logs = {(s, li): 0 for s, li, *_ in systems}
     for rep in range(a.warmup + a.reps):
         for stage, li, _, mz, peer in systems:
             order = (("megazero", mz), ("peer", peer)) if rep % 2 == 0 else (("peer", peer), ("megazero", mz))
             for name, run in order:
-                t, printed = _timed(run)
+                t, c, printed = _timed(run)
                 if rank == world - 1:
                     print(json.dumps({"kind": "run", "rep": rep, "stage": stage, "log_interval": li, "system": name,
-                                      "ms": round(t / a.iters * 1000, 2), "load": os.getloadavg()[0]}), flush=True)
+                                      "ms": round(t / a.iters * 1000, 2), "cpu_ms": round(c / a.iters * 1000, 2),
+                                      "load": os.getloadavg()[0]}), flush=True)
                 if rep >= a.warmup:
                     times[(stage, li)][name].append(t / a.iters * 1000)
+                    cpu[(stage, li)][name].append(c / a.iters * 1000)
                     logs[(stage, li)] += printed if name == "megazero" else 0
-    return _results(a, systems, times, logs) if rank == world - 1 else None
+    return _results(a, systems, times, cpu, logs) if rank == world - 1 else None
 
 
-def _results(a, systems, times, logs) -> list[dict]:
+def _results(a, systems, times, cpu, logs) -> list[dict]:
     lines = []
     for stage, li, kind, *_ in systems:
         mz, peer = times[(stage, li)]["megazero"], times[(stage, li)]["peer"]
+        mz_cpu, peer_cpu = (statistics.median(cpu[(stage, li)][k]) for k in ("megazero", "peer"))
         ratio = statistics.median(mz) / statistics.median(peer)
         target = 1.0 if stage == 3 else (1.05 if li == 1 else 1.03)
         lines.append({"kind": "loop", "stage": stage, "log_interval": li, "peer": kind,
                       "megazero_ms": round(statistics.median(mz), 2), "peer_ms": round(statistics.median(peer), 2),
                       "ratio": round(ratio, 3),
                       "paired_ratio": round(statistics.median(x / y for x, y in zip(mz, peer)), 3),
-                      "target": target, "met": ratio <= target, "megazero_log_lines": logs[(stage, li)],
+                      "target": target, "met": ratio <= target,
+                      "megazero_cpu_ms": round(mz_cpu, 1), "peer_cpu_ms": round(peer_cpu, 1),
+                      "cpu_ratio": round(mz_cpu / peer_cpu, 3), "megazero_log_lines": logs[(stage, li)],
                       "megazero_runs_ms": [round(x, 1) for x in mz], "peer_runs_ms": [round(x, 1) for x in peer]})
     return lines
 
@@ -182,11 +198,12 @@ def _results(a, systems, times, logs) -> list[dict]:
 def markdown(lines: list[dict], load: str) -> list[str]:
     """The docs/benchmarks.md "Loop" table rows of one run's ``loop`` results."""
     out = ["| ZeRO | --log-interval | peer | megazero ms/iter | peer ms/iter | ratio (medians) | paired ratio | "
-           "target | load (1 min) |", "|---|---|---|---|---|---|---|---|---|"]
+           "target | CPU ms/iter (megazero / peer) | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for j in lines:
         out.append(f"| {j['stage']} | {j['log_interval']} | {j['peer']} | {j['megazero_ms']:.0f} | "
                    f"{j['peer_ms']:.0f} | "
-                   f"**{j['ratio']:.2f}** | {j['paired_ratio']:.2f} | {j['target']} | {load} |")
+                   f"**{j['ratio']:.2f}** | {j['paired_ratio']:.2f} | {j['target']} | "
+                   f"{j['megazero_cpu_ms']:.0f} / {j['peer_cpu_ms']:.0f} = {j['cpu_ratio']:.2f} | {load} |")
     return out
 
 
