@@ -24,7 +24,9 @@ fp32 state, ``(p + 12)Φ`` = 14Φ (the gradient is not saved); a rank's exact lo
 fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, whose touched pages
 (clean page cache the kernel may drop) count in RSS: the load and reshard bounds add the bytes read.
 ``--mmap-threshold BYTES``: each rank first calls ``megazero.zero.host_memory.return_freed_memory``
-(freed blocks of at least BYTES leave the resident set; glibc's default keeps them in its heap).
+(freed blocks of at least BYTES leave the resident set; glibc's default keeps them in its heap);
+without it the ranks keep glibc's default (``setup(..., fix_mmap_threshold=False)``), although
+``training.setup`` itself sets 1 MiB. ``--mmap-ab``: iteration time with and without it.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     if mmap_threshold:  # before anything large is allocated (megazero.zero.host_memory)
         return_freed_memory(mmap_threshold)
     args = parse_args(argv, world_size=world)
-    with _phase(peaks, "build"):
-        trainer = setup(args)
+    with _phase(peaks, "build"):  # the malloc policy is --mmap-threshold's (glibc's default without it)
+        trainer = setup(args, fix_mmap_threshold=False)
     result = dict(peaks, **_sizes(trainer.optimizer))
     if build_only:
         return result
@@ -206,6 +208,52 @@ def save_timing(o, stage: int, dp: int, rounds: int = 3, iters: int = 10, interv
     return out
 
 
+def _mmap_rank(rank, world, argv, mmap_threshold, runs):
+    """(wall, CPU = user + system) seconds of each ``train()`` call (``--exit-interval``
+    iterations) after one warm-up call."""
+    import io
+
+    import torch.distributed as dist
+
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    from megazero.zero.host_memory import return_freed_memory
+    if mmap_threshold:
+        return_freed_memory(mmap_threshold)
+    times = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = setup(parse_args(argv, world_size=world), fix_mmap_threshold=False)
+        for _ in range(runs + 1):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            trainer.train(None)
+            c1 = time.process_time()
+            dist.barrier()
+            times.append((time.perf_counter() - t0, c1 - c0))
+    return times[1:]
+
+
+def mmap_ab(o, stage: int, dp: int, pairs: int = 3, iters: int = 5, runs: int = 2) -> dict:
+    """Iteration time with and without ``return_freed_memory(1 MiB)``: ``pairs`` pairs of
+    processes, the order alternating (default first on even pairs); each times ``runs`` calls of
+    ``iters`` iterations after a warm-up call. Ratio = median(with) / median(without) per
+    iteration, of the slowest rank's wall time and of the ranks' mean CPU time (user + system:
+    the page faults of fresh mappings are system time)."""
+    from megazero.testing import run_distributed
+    argv = _flags(o, stage, dp, iters=(runs + 1) * iters) + ["--exit-interval", str(iters)]
+    wall, cpu = {"default": [], "fixed": []}, {"default": [], "fixed": []}
+    for k in range(pairs):
+        for mode in (("default", "fixed") if k % 2 == 0 else ("fixed", "default")):
+            ranks = run_distributed(_mmap_rank, dp, argv, 1 << 20 if mode == "fixed" else None, runs, timeout_s=3600)
+            wall[mode] += [max(r[i][0] for r in ranks) / iters for i in range(runs)]
+            cpu[mode] += [sum(r[i][1] for r in ranks) / len(ranks) / iters for i in range(runs)]
+    out = {}
+    for name, times in (("wall", wall), ("cpu", cpu)):  # CPU: per rank and iteration, mean over ranks
+        med = {m: statistics.median(v) for m, v in times.items()}
+        out[name] = {"s_per_iter": times, "median_s": med, "ratio": med["fixed"] / med["default"]}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -218,11 +266,19 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--mmap-threshold", type=int, default=None, help="each rank calls "
-                   "megazero.zero.host_memory.return_freed_memory(BYTES) before the build (glibc M_MMAP_THRESHOLD)")
+                   "megazero.zero.host_memory.return_freed_memory(BYTES) before the build (glibc M_MMAP_THRESHOLD; "
+                   "without it glibc's default, although training.setup sets 1 MiB)")
     p.add_argument("--save-timing", action="store_true", help="iteration time after a save, with and without "
                    "--async-save (first --stages / --dp value)")
     p.add_argument("--rounds", type=int, default=3, help="--save-timing: pairs of runs (sync, async)")
+    p.add_argument("--mmap-ab", action="store_true", help="iteration time with and without "
+                   "return_freed_memory(1 MiB), interleaved (first --stages / --dp value, --rounds pairs)")
     o = p.parse_args(argv)
+    if o.mmap_ab:
+        load_avg = os.getloadavg()[0]
+        print(json.dumps(dict(mmap_ab(o, o.stages[0], o.dp[0], pairs=o.rounds), load_before=load_avg,
+                              load_after=os.getloadavg()[0])))
+        return 0
     if o.save_timing:
         load_avg = os.getloadavg()[0]
         timing = dict(save_timing(o, o.stages[0], o.dp[0], rounds=o.rounds), load_before=load_avg,

@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .spec import to_full, to_local, tp_split, unshard
+from .wgrad_fusion import embedding as fused_embedding
+from .wgrad_fusion import linear as fused_linear
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        group_rank, group_size, reduce_from_tp_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
@@ -159,6 +161,7 @@ class ColumnParallelLinear(_TPLayer):
                            "bias": (0, partition_sizes, real_out_features)}
         device = default_device(tp_group) if device is None else device
         self.param_inits = {}
+        self.weight_grad_sink = None  # gradient accumulation fusion: accumulate_weight_grad_into
         shape = (out_features, in_features)
         if create_weight:
             self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, real_out_features),
@@ -170,6 +173,11 @@ class ColumnParallelLinear(_TPLayer):
         else:
             self.register_parameter("bias", None)
 
+    def accumulate_weight_grad_into(self, sink) -> None:
+        """Gradient accumulation fusion (:mod:`.wgrad_fusion`): the weight gradient goes to
+        ``sink(weight, G, X)`` (the optimizer's fp32 flat gradient); None: off."""
+        self.weight_grad_sink = sink
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
@@ -177,7 +185,7 @@ class ColumnParallelLinear(_TPLayer):
         else:
             x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, weight, bias)
+        y = fused_linear(x, weight, bias, self.weight_grad_sink)
         if not self.gather_output:
             return (y, self.bias) if self.skip_bias_add else y
         y = gather_from_tp_region(y, self.tp_group)
@@ -260,16 +268,22 @@ class VocabParallelEmbedding(_TPLayer):
         self.partitions = {"weight": (0, None, self.vocab_size)}
         device = default_device(tp_group) if device is None else device
         self.param_inits = {}
+        self.weight_grad_sink = None  # gradient accumulation fusion: accumulate_weight_grad_into
         shape = (num_embeddings, embedding_dim)
         self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, self.vocab_size),
                                  params_dtype, device)
 
+    def accumulate_weight_grad_into(self, sink) -> None:
+        """Gradient accumulation fusion (:mod:`.wgrad_fusion`): the table's gradient rows go to
+        ``sink(weight, ids, G)`` (the optimizer's fp32 flat gradient); None: off."""
+        self.weight_grad_sink = sink
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.p == 1:
-            return F.embedding(ids, self.weight)
+            return fused_embedding(ids, self.weight, self.weight_grad_sink)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = fused_embedding(local, self.weight, self.weight_grad_sink).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tp_region(out, self.tp_group)

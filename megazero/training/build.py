@@ -1,5 +1,12 @@
 """The build order of a run, stated once (:func:`setup`), with the reason for each step.
 
+0. **Host memory**: glibc's mmap threshold is fixed at 1 MiB
+   (:func:`~megazero.zero.host_memory.return_freed_memory`) before anything large is allocated,
+   so the host buffers ZeRO frees every micro-batch leave the resident set instead of staying in
+   the heap (ZeRO-3, DP 4: step peak 2.30 -> 1.75 GB). Its price, measured by
+   ``bench/memory.py --mmap-ab`` (fresh mappings fault their pages in): +0.7 % CPU time per
+   iteration at ZeRO-0, +4.5 % at ZeRO-3 on a small fp32 GPT (docs/benchmarks.md, "Memory").
+   Process-wide; a no-op off glibc; ``setup(..., fix_mmap_threshold=False)`` keeps glibc's policy.
 1. **Configs** (no process group yet): the tokenizer gives the vocabulary size, which completes
    the frozen model config (:class:`GPTConfig` pads the vocabulary for TP and checks every size
    against TP), and the optimizer config. Bad flags and unreadable tokenizer files fail here,
@@ -15,7 +22,9 @@
    :class:`ModelStages` (its pipeline chunks and the plain objects the generic packages need),
    moved to the device.
 7. **Optimizer**: ZeRO flattens the parameters into its regions (and under stage 3 shards them),
-   so it comes after the model is on its device and before anything holds parameter references.
+   so it comes after the model is on its device and before anything holds parameter references;
+   then the output layer and the word embedding are told to accumulate their weight gradients
+   into ZeRO's fp32 flat gradient (:func:`fuse_vocab_weight_grads`).
 8. **Pipeline runner**: the schedule plan, the p2p communicator and the activation shape, built
    once for the run.
 9. **LR schedule and logger**; then **load** ``--load`` last, because loading writes into the
@@ -35,6 +44,7 @@ from megazero.checkpoint.guard import guard_save_dir
 from megazero.parallel.launch import current_rank, init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of, with_checkpoint_tokenizer
+from megazero.zero.host_memory import return_freed_memory
 
 
 def build_configs(args) -> tuple[GPTConfig, OptimizerConfig]:
@@ -51,7 +61,26 @@ def default_model_provider(model_config: GPTConfig, topo: Topology, micro_batch_
     return gpt_stages(model_config, topo, micro_batch_size, device=device)
 
 
-def setup(args, model_provider=None, forward_step_func=None):
+def fuse_vocab_weight_grads(chunks, optimizer) -> None:
+    """Step 7, gradient accumulation fusion (Megatron's ``--gradient-accumulation-fusion``, on by
+    default there): with half-precision parameters and fp32 gradient accumulation, each chunk's
+    output layer adds its weight gradient ``G^T X``, and the word embedding its rows
+    ``dW[ids] += G``, in fp32 straight into ZeRO's flat gradient
+    (:mod:`megazero.tensor_parallel.wgrad_fusion`), so the vocabulary matrix (V x h, the largest
+    weight, tied or not) never has a gradient of its size outside that buffer
+    (docs/benchmarks.md, "Memory"). Chunks without these modules are left alone."""
+    if not optimizer.fuses_weight_grads:
+        return
+    for chunk in chunks:
+        head = getattr(chunk, "output_layer", None)
+        if head is not None and hasattr(head, "accumulate_weight_grad_into"):
+            head.accumulate_weight_grad_into(optimizer.add_weight_grad)
+        table = getattr(getattr(chunk, "embedding", None), "word_embeddings", None)
+        if table is not None and hasattr(table, "accumulate_weight_grad_into"):
+            table.accumulate_weight_grad_into(optimizer.add_embedding_grad)
+
+
+def setup(args, model_provider=None, forward_step_func=None, *, fix_mmap_threshold: bool = True):
     """Build everything one rank trains with, in the order of the module docstring; returns the
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded."""
     from megazero.model.stages import gpt_forward_step, provider_options
@@ -61,6 +90,8 @@ def setup(args, model_provider=None, forward_step_func=None):
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
 
+    if fix_mmap_threshold:  # 0: freed host buffers of >= 1 MiB leave the resident set (glibc)
+        return_freed_memory()
     args = with_checkpoint_tokenizer(args)  # an imported model's own tokenizer when none is named
     model_config, optimizer_config = build_configs(args)                                             # 1
     guard_save_dir(args.save, args.load, getattr(args, "overwrite_checkpoints", False), current_rank())  # none lost
@@ -84,6 +115,7 @@ def setup(args, model_provider=None, forward_step_func=None):
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,
                               param_init=stages.param_init, device=device)
+    fuse_vocab_weight_grads(stages.chunks, optimizer)
     runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape,                   # 8
                             stages.activation_dtype)
     trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9

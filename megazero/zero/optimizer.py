@@ -121,8 +121,6 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self._grads = None  # unscaled fp32 gradients between grad_partials and apply_step
         gathered = any(r.stage >= 1 and not r.partitioned for r in self.regions)  # regions with an all-gather
         self.param_sync = ParamSync(chunks, self.regions) if overlap_param_gather and gathered else None
-        self._inflight = []
-        self._max_inflight = 4 if stage >= 2 else 1 << 30
         self._synced = False
         self.iteration = 0  # optimizer steps taken (not skipped)
         self.skipped_iterations = 0

@@ -123,18 +123,45 @@ class Region:
         self.norm_segments = _merge(s for s, c in zip(seg, counted) if c)
 
     # ---- gradients -------------------------------------------------------------------------
-    def accumulate(self, i: int, p: torch.Tensor) -> bool:
-        """Add ``p.grad`` into the flat gradient and drop it; True when the round is complete."""
+    def _grad_view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s piece of the flat gradient (allocated for the round if freed)."""
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=p.device)
-        o = self.offsets[i]
-        self.full_grad[o:o + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
+            self.full_grad = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.param_flat.device)
         self.dirty = True
+        o, n = self.offsets[i], self.params[i].numel()
+        return self.full_grad[o:o + n]
+
+    def accumulate(self, i: int, p: torch.Tensor) -> bool:
+        """Add ``p.grad`` into the flat gradient and drop it (None: its gradient was already
+        added by :meth:`add_product`); True when the round is complete."""
+        if p.grad is not None:
+            self._grad_view(i).add_(p.grad.reshape(-1))
+            p.grad = None
+        return self.count(i)
+
+    def add_product(self, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``grad(param i) += a^T b`` computed in fp32 into the fp32 flat gradient (``a``
+        ``[T, out]``, ``b`` ``[T, in]``, param ``[out, in]``): one ``addmm_`` with the buffer as
+        its output, so no gradient of the parameter's size exists in any other dtype."""
+        view = self._grad_view(i).view(self.params[i].shape)
+        view.addmm_(a.t().to(view.dtype), b.to(view.dtype))
+
+    def add_rows(self, i: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """``grad(param i)[ids] += rows`` in fp32 (an embedding table's gradient, ``index_add_``)."""
+        view = self._grad_view(i).view(self.params[i].shape)
+        view.index_add_(0, ids, rows.to(view.dtype))
+
+    def count(self, i: int) -> bool:
+        """Count one accumulation of parameter ``i``; True when the round is complete."""
         self.counts[i] += 1
         if self.counts[i] == self.flush_every:
             self.complete += 1
         return self.complete == len(self.params)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element."""
+        return torch.empty((), dtype=self.grad_dtype).element_size()
 
     def flush(self, async_op: bool = True) -> Pending:
         """Reduce what has accumulated: stage 0 all-reduce (2L) else reduce-scatter (L) over DP."""
@@ -278,7 +305,7 @@ class Region:
 
     # ---- accounting ------------------------------------------------------------------------
     def state_bytes(self) -> dict:
-        psz, gsz = self.param_flat.element_size(), torch.empty((), dtype=self.grad_dtype).element_size()
+        psz, gsz = self.param_flat.element_size(), self.grad_bytes
         params = (self.shard_len if self.partitioned else self.padded) * psz
         grads = (self.padded if self.persistent_grad else self.shard_len) * gsz
         return {"params": params, "grads": grads, "master": 4 * self.shard_len,

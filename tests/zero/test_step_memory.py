@@ -1,0 +1,59 @@
+"""Bounds on the step's transient host memory (docs/benchmarks.md, "Memory"): the stage-2/3
+gradient reductions in flight never keep more than the largest non-root unit's gradient alive
+besides the newest, and gloo's list all-gather, run in pieces, gives the unchunked result and
+counts one call of the same volume."""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.parallel.topology import Topology
+from megazero.testing import run_distributed
+
+from .common import Net, batches
+
+
+def _gather(rank, world):
+    from megazero.zero.collectives import Collectives, process_groups
+    topo = Topology(world, rank).create_groups()
+    groups, _ = process_groups(topo, [])
+    comm = Collectives(groups, "gloo")
+    shard = torch.arange(10, dtype=torch.float32) + 100 * rank
+    whole = torch.empty(10 * world)
+    comm.all_gather(whole, shard, "dp").wait()
+    comm.list_gather_elems = 6  # pieces of 3 elements per rank: 4 calls of the primitive
+    pieces = torch.full((10 * world,), -1.0)
+    comm.all_gather(pieces, shard, "dp", async_op=True).wait()
+    stats = comm.reset()["dp/all_gather"]
+    return torch.equal(whole, pieces), stats["calls"], stats["logical_elems"]
+
+
+def test_list_all_gather_in_pieces_is_the_same():
+    for same, calls, elems in run_distributed(_gather, 2):
+        assert same and calls == 2 and elems == 2 * 20
+
+
+def _inflight(rank, world, stage):
+    from megazero.zero import ZeroOptimizer
+    topo = Topology(world, rank).create_groups()
+    model = Net(layers=4)
+    opt = ZeroOptimizer(model, topo, stage=stage, lr=1e-3, reduce_bucket_size=300, param_persistence_threshold=0,
+                        max_reuse_distance=0)
+    seen = []
+    for p in model.parameters():  # after the optimizer's own hook: what is still in flight
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(sum(b for _, b in opt._inflight)))
+    for step in batches(2, world, 1):
+        for x, y in step[rank]:
+            (model(x, y) * opt.loss_scale).backward()
+        opt.step()
+    layers = set(model.layers.parameters())
+    layer = max((r.padded * 4 for r in opt.regions if r.partitioned and r.params[0] in layers), default=0)
+    return opt._inflight_budget, layer, max(seen)
+
+
+def test_reductions_in_flight_bounded_by_bytes():
+    for stage in (2, 3):
+        for budget, layer, worst in run_distributed(_inflight, 2, stage):
+            if stage == 3:
+                assert budget == layer  # one transformer layer's fp32 gradient
+            assert 0 < worst <= budget, (stage, budget, worst)
