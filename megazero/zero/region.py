@@ -222,8 +222,9 @@ class Region:
         if self.stage == 0:
             self.param_flat.copy_(self.master)
             return Pending()
-        src = self.master.to(self.dtype)
-        return self.comm.all_gather(self.param_flat, src, "dp", logical=self.numel, async_op=async_op)
+        own = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
+        own.copy_(self.master)  # cast into this rank's own piece: the gather's input, in place
+        return self.comm.all_gather(self.param_flat, own, "dp", logical=self.numel, async_op=async_op)
 
     def gather(self, async_op: bool = True) -> Pending:
         """Stage 3: re-materialize the full parameters from the shards (all-gather, volume L)."""
