@@ -192,7 +192,8 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="allow --save to be a folder holding another run's checkpoints (megazero)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints from host copies in a background thread (Megatron's flag)")
+                   help="write checkpoints from a shared-memory snapshot by a long-lived writer process "
+                        "per rank while training goes on (Megatron's flag; docs/checkpoints.md)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--load", default=None)

@@ -47,7 +47,7 @@ class TrainerCheckpoints:
                                   f"in {time.time() - t0:.2f} s")
 
     def async_writer(self) -> AsyncWriter:
-        """This rank's writer (``--async-save``): created at the first save, kept for the run."""
+        """This rank's writer (``--async-save``): started by ``train()`` (or the first save), kept for the run."""
         if self.__dict__.get("_async_writer") is None:
             self._async_writer = AsyncWriter()
         return self._async_writer
