@@ -344,7 +344,7 @@ TABLE = """\
 --no-pin-cpu-params	pin_cpu_params	0	True	2	runtime mechanics or an option of a component not used here: same numbers
 --dataloader-type	dataloader_type	1	None	2	data loading mechanics: same samples
 --no-persist-layer-norm	no_persist_layer_norm	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
---no-gradient-accumulation-fusion	gradient_accumulation_fusion	0	True	2	no effect: in bf16/fp16 runs the output layer's weight gradient is always accumulated in fp32 straight into ZeRO's flat gradient (Megatron's default fusion) and the other layers' weight gradients are rounded to the parameter dtype first (as with this flag); fp32 runs: the same numbers either way (docs/zero.md)
+--no-gradient-accumulation-fusion	gradient_accumulation_fusion	0	True	1	as in Megatron-LM: the weight gradient is computed in the parameter dtype, then added to the fp32 gradient; without it (the default, as in Megatron) bf16/fp16 runs accumulate the fused weight gradients in fp32 straight into ZeRO's flat gradient -- megazero fuses the output layer and the word embedding (the vocabulary matrices), Megatron every linear layer, so the other layers' weight gradients round to the parameter dtype first here (docs/zero.md); fp32 runs: the same numbers either way
 --use-mcore-models	deprecated_use_mcore_models	0	False	2	kernel or fusion choice: same numbers here (PyTorch kernels, fp32 softmax and cross entropy)
 --seed	seed	1	1234	1	as in Megatron-LM
 --te-rng-tracker	te_rng_tracker	0	False	3	not available in megazero: drop it to train what Megatron trains by default

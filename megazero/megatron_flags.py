@@ -69,6 +69,9 @@ HONOURED_FLAGS = (
     ("--wandb-entity", dict(default=None, help="the W&B entity")),
     ("--overlap-param-gather", dict(action="store_true", help="ZeRO 1/2 parameter all-gather overlapped with the "
                                                               "next forward (megazero's default, --zero-overlap-comm)")),
+    ("--no-gradient-accumulation-fusion", dict(action="store_false", dest="gradient_accumulation_fusion",
+                                                help="the vocabulary matrices' weight gradients computed in the "
+                                                     "parameter dtype, then added to the fp32 gradient")),
     ("--num-workers", dict(type=int, default=2, help="0: micro-batches read on the main thread; >= 1: one background "
                                                      "thread reads and pins the next iteration's (same samples)")),
 )

@@ -68,7 +68,10 @@ def fuse_vocab_weight_grads(chunks, optimizer) -> None:
     ``dW[ids] += G``, in fp32 straight into ZeRO's flat gradient
     (:mod:`megazero.tensor_parallel.wgrad_fusion`), so the vocabulary matrix (V x h, the largest
     weight, tied or not) never has a gradient of its size outside that buffer
-    (docs/benchmarks.md, "Memory"). Chunks without these modules are left alone."""
+    (docs/benchmarks.md, "Memory"). Chunks without these modules are left alone.
+    ``--no-gradient-accumulation-fusion`` (Megatron's switch) skips this step: the gradient is
+    computed in the parameter dtype first and then added to the fp32 flat gradient, as Megatron
+    does then."""
     if not optimizer.fuses_weight_grads:
         return
     for chunk in chunks:
@@ -115,7 +118,8 @@ def setup(args, model_provider=None, forward_step_func=None, *, fix_mmap_thresho
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,
                               param_init=stages.param_init, device=device)
-    fuse_vocab_weight_grads(stages.chunks, optimizer)
+    if getattr(args, "gradient_accumulation_fusion", True):
+        fuse_vocab_weight_grads(stages.chunks, optimizer)
     runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape,                   # 8
                             stages.activation_dtype)
     trainer = Trainer(args, topo, device, model_config=model_config, stages=stages, optimizer=optimizer,  # 9

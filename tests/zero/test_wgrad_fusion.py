@@ -126,3 +126,23 @@ def test_fused_bf16_gpt_tracks_fp32_and_stages_agree():
                 grads, tables = hooks  # fused: autograd never sees a gradient of a vocabulary matrix
                 assert tables == 1 and grads == (0 if fuse else STEPS * M), (pp, rank, stage, fuse, hooks)
                 assert multiple == res[(stage, False)][2]  # the same communication volume
+
+
+def _sinks(rank, world, extra):
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "1", "--mock-data", "--vocab-size", "64", "--lr", "1e-3", "--bf16",
+            "--distributed-backend", "gloo", *extra]
+    trainer = setup(parse_args(argv, world_size=world))
+    chunk = trainer.chunks[0]
+    return [m.weight_grad_sink is not None for m in (chunk.output_layer, chunk.embedding.word_embeddings)
+            if m is not None]
+
+
+def test_no_gradient_accumulation_fusion_is_megatrons_switch():
+    """Default (Megatron's): the vocabulary matrices' weight gradients fused into the fp32 flat
+    gradient; ``--no-gradient-accumulation-fusion``: not fused (computed in bf16, then added)."""
+    assert all(run_distributed(_sinks, 1, [])[0])
+    assert not any(run_distributed(_sinks, 1, ["--no-gradient-accumulation-fusion"])[0])
