@@ -100,7 +100,8 @@ def test_async_failures_are_reported_on_every_rank(tmp_path):
     for failure, cause in [("snapshot", "Can't pickle"), ("write", "is a directory"),
                            ("killed", "the writer process (pid ")]:
         root = tmp_path / failure
-        results = run_distributed(_failing, 2, str(root), failure)
+        # rank 1 waits for its writer (nice 19: on a busy box its start takes a while) while rank 0 is in a collective
+        results = run_distributed(_failing, 2, str(root), failure, timeout_s=600, collective_timeout_s=300)
         for message, _, _ in results:
             assert message is not None and "saving " in message and "iter_0000001" in message, message
             assert "rank 1: " in message and cause in message and "rank 0:" not in message, message
