@@ -81,24 +81,26 @@ class GradientSync:
         Were it not run, the region is reduced by :meth:`finish_grad_sync` all the same.
         Returns False (nothing done: the caller returns ``W.grad``) for a parameter no region
         holds or without fp32 accumulation of half-precision parameters."""
-        where = self._slots.get(id(p)) if self.fuses_weight_grads else None
-        if where is None:
-            return False
-        r, i = where
-        self._synced = False
-        r.add_product(i, grad_out, inp)
-        return True
+        where = self._fused_slot(p)
+        if where is not None:
+            where[0].add_product(where[1], grad_out, inp)
+        return where is not None
 
     def add_embedding_grad(self, p, ids: torch.Tensor, rows: torch.Tensor) -> bool:
         """The same fusion for an embedding table ``W``: ``main_grad(W)[ids] += G`` in fp32
         (``ids`` ``[T]``, ``rows`` = ``G`` ``[T, h]``), as :meth:`add_weight_grad`."""
+        where = self._fused_slot(p)
+        if where is not None:
+            where[0].add_rows(where[1], ids, rows)
+        return where is not None
+
+    def _fused_slot(self, p):
+        """``(region, index)`` of ``p`` when its weight gradient may be fused (then the step's
+        gradients are no longer synced), else None."""
         where = self._slots.get(id(p)) if self.fuses_weight_grads else None
-        if where is None:
-            return False
-        r, i = where
-        self._synced = False
-        r.add_rows(i, ids, rows)
-        return True
+        if where is not None:
+            self._synced = False
+        return where
 
     def _launch(self, r: Region, async_op: bool) -> None:
         pending = r.flush(async_op=async_op)
