@@ -5,8 +5,8 @@ formulas. Run one configuration after another (never two at once)::
     PYTHONPATH=. .venv/bin/python bench/memory.py                       # stages 0-3 x DP 2, 4; 8 x 1024, Φ 152M
     PYTHONPATH=. .venv/bin/python bench/memory.py --build-only --stages 3 --dp 8 --layers 16 --hidden 2048
     PYTHONPATH=. .venv/bin/python bench/memory.py --dp 4 --stages 1 3 --mmap-threshold 1048576
-    PYTHONPATH=. .venv/bin/python bench/memory.py --save-timing --stages 3 --dp 2 --layers 2 --hidden 512 \
-        --heads 8 --dtype fp32 --rounds 3       # the saving step with and without --async-save
+    PYTHONPATH=. .venv/bin/python bench/memory.py --dp 2 4 --stages 2 --reduce-bucket-size 20000000
+    (the saving step with and without --async-save: bench/save_timing.py)
 
 Each rank is a forked process (``megazero.testing.run_distributed``, one intra-op thread). Before a
 phase it resets its kernel peak-RSS counter (``/proc/self/clear_refs`` = 5, Linux) and after it
@@ -18,7 +18,9 @@ exact path) and ``reshard`` (the previous configuration's checkpoint into this l
 Formulas, Φ parameters, N = DP, p = 2 (bf16), g = 4 (bf16 gradients accumulate in fp32):
 model states per rank ``(p+g+12)Φ`` / ``(p+g)Φ + 12Φ/N`` / ``pΦ + (g+12)Φ/N`` / ``(p+g+12)Φ/N``
 (``ZeroOptimizer.state_bytes()["formula"]``); bound per phase = 1.15 x (interpreter + formula +
-largest unit's full parameters and gradient (stage 3; else the largest fp32 draw) + activations,
+largest unit's full parameters and gradient (stage 3; else the largest fp32 draw, or at stage 2
+the largest reduce bucket's full gradient if larger: it lives until the bucket's reduce-scatter is
+done, so ``--reduce-bucket-size`` sets it; the default 5e8 makes it the whole model's) + activations,
 ``sbh(34 + 5as/h)L`` + fp32 logits x 3). A checkpoint should hold one copy of the weights and
 fp32 state, ``(p + 12)Φ`` = 14Φ (the gradient is not saved); a rank's exact load reads its
 fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, whose touched pages
@@ -67,14 +69,15 @@ def _phase(peaks: dict, name: str):
     peaks[name + "_s"] = time.time() - t0
 
 
-def _flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
+def model_flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
     return ["--num-layers", str(o.layers), "--hidden-size", str(o.hidden), "--num-attention-heads", str(o.heads),
             "--seq-length", str(o.seq), "--max-position-embeddings", str(o.seq), "--micro-batch-size", "1",
             "--global-batch-size", str(dp), "--train-iters", str(iters), "--lr", "1e-4"] + (
             ["--bf16"] if o.dtype == "bf16" else []) + [
             "--mock-data", "--vocab-size", "50257", "--zero-stage", str(stage), "--log-interval", "100",
             "--eval-iters", "0", "--eval-interval", "1000", "--distributed-backend", "gloo",
-            "--zero-max-reuse-distance", "0", "--seed", "1"]
+            "--zero-max-reuse-distance", "0", "--seed", "1"] + (
+            ["--zero-reduce-bucket-size", str(o.reduce_bucket_size)] if o.reduce_bucket_size else [])
 
 
 def _sizes(opt) -> dict:
@@ -83,7 +86,9 @@ def _sizes(opt) -> dict:
     units = [r.padded for r in opt.regions if r.partitioned]
     draw = 4 * max(p.numel() for r in opt.regions for p in r.params)
     unit = max(units) * (sb["param_bytes"] + sb["grad_bytes"]) if units else 0
-    return {"states": sb["total"], "formula": sb["formula"], "phi": sb["phi"], "unit": max(unit, draw)}
+    buckets = [r.padded * r.grad_bytes for r in opt.regions if not r.persistent_grad and not r.partitioned]
+    return {"states": sb["total"], "formula": sb["formula"], "phi": sb["phi"], "unit": max([unit, draw] + buckets),
+            "bucket": max(buckets, default=0)}
 
 
 def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None):
@@ -125,13 +130,13 @@ def _activations(o) -> float:
 
 def run_config(o, stage: int, dp: int, out_dir: str, prev_dir: str | None) -> dict:
     from megazero.testing import run_distributed
-    ranks = run_distributed(_rank, dp, _flags(o, stage, dp), out_dir, prev_dir, o.build_only, o.mmap_threshold,
+    ranks = run_distributed(_rank, dp, model_flags(o, stage, dp), out_dir, prev_dir, o.build_only, o.mmap_threshold,
                             timeout_s=7200)
     r0 = ranks[0]
     bound = 1.15 * (statistics.median(r["interpreter"] for r in ranks) + r0["formula"] + r0["unit"] + _activations(o))
     phases = [p for p in ("build", "step", "save", "load", "reshard") if p in r0]
     row = {"stage": stage, "dp": dp, "phi": r0["phi"], "formula": r0["formula"], "states": r0["states"],
-           "interpreter": statistics.median(r["interpreter"] for r in ranks), "bound": bound,
+           "transient": r0["unit"], "bucket": r0["bucket"], "interpreter": statistics.median(r["interpreter"] for r in ranks), "bound": bound,
            "peaks": {p: max(r[p] for r in ranks) for p in phases},
            "seconds": {p: statistics.median(r[p + "_s"] for r in ranks) for p in phases}}
     if not o.build_only:
@@ -144,13 +149,14 @@ def run_config(o, stage: int, dp: int, out_dir: str, prev_dir: str | None) -> di
 
 def _table(rows, build_only: bool) -> str:
     phases = ["build"] if build_only else ["build", "step", "save", "load", "reshard"]
-    head = ["ZeRO", "DP", "Φ (M)", "states / formula (GB)", "bound (GB)"] + [f"{p} peak (GB)" for p in phases]
+    head = ["ZeRO", "DP", "Φ (M)", "states / formula (GB)", "unit, draw or bucket (GB)", "bound (GB)"] + [f"{p} peak (GB)" for p in phases]
     if not build_only:
         head += ["written / 14Φ", "read on load / 12Φ/N", "read on reshard (GB)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["stage"]), str(r["dp"]), f"{r['phi'] / 1e6:.0f}",
-                 f"{r['states'] / GB:.2f} / {r['formula'] / GB:.2f}", f"{r['bound'] / GB:.2f}"]
+                 f"{r['states'] / GB:.2f} / {r['formula'] / GB:.2f}",
+                 f"{r['transient'] / GB:.2f}", f"{r['bound'] / GB:.2f}"]
         for p in phases:  # loading maps the files: the touched (clean, reclaimable) pages count in RSS
             bound = r["bound"] + r.get({"load": "read_load", "reshard": "read_reshard"}.get(p, ""), 0)
             cells.append("-" if p not in r["peaks"] else
@@ -162,50 +168,6 @@ def _table(rows, build_only: bool) -> str:
                       f"{r['read_reshard'] / GB:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
-
-
-def _timed_run(o, stage: int, dp: int, iters: int, interval: int, background: bool) -> dict:
-    """Per-iteration times (ms, from the log) of one ``pretrain_gpt.py`` run under torchrun that
-    saves every ``interval`` iterations, with or without ``--async-save``."""
-    import re
-    import subprocess
-
-    from megazero.testing import free_port
-    folder = tempfile.mkdtemp(prefix="megazero_save_timing_")
-    flags = _flags(o, stage, dp, iters=iters) + ["--log-interval", "1", "--save", folder,
-                                                 "--save-interval", str(interval)]
-    flags += ["--async-save"] if background else []
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(dp),
-           "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + flags
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return {int(m.group(1)): float(m.group(2))
-            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)", done.stdout)}
-
-
-def save_timing(o, stage: int, dp: int, rounds: int = 3, iters: int = 10, interval: int = 3) -> dict:
-    """The saving step's cost, with and without ``--async-save``, side by side: ``rounds`` pairs
-    of runs (synchronous, then asynchronous, alternating so both see the same machine load),
-    each ``iters`` iterations saving every ``interval``. The log line of iteration i is printed
-    before its save, so the save's cost lands in iteration i + 1 ("after save"); "normal" are
-    the other iterations except the first. Ratio = median(after save) / median(normal) per mode."""
-    times = {"sync": [], "async": []}
-    for _ in range(rounds):
-        for mode in ("sync", "async"):
-            times[mode].append(_timed_run(o, stage, dp, iters, interval, background=mode == "async"))
-    after = set(range(interval + 1, iters, interval))  # the last save is finished at exit, not timed
-    out = {}
-    for mode, runs in times.items():
-        saving = [t[i] for t in runs for i in sorted(after)]
-        normal = [t[i] for t in runs for i in t if i != 1 and i not in after]
-        out[mode] = {"after_save_ms": saving, "median_after_save_ms": statistics.median(saving),
-                     "median_normal_ms": statistics.median(normal),
-                     "ratio": statistics.median(saving) / statistics.median(normal)}
-    return out
 
 
 def _mmap_rank(rank, world, argv, mmap_threshold, runs):
@@ -240,7 +202,7 @@ def mmap_ab(o, stage: int, dp: int, pairs: int = 3, iters: int = 5, runs: int = 
     iteration, of the slowest rank's wall time and of the ranks' mean CPU time (user + system:
     the page faults of fresh mappings are system time)."""
     from megazero.testing import run_distributed
-    argv = _flags(o, stage, dp, iters=(runs + 1) * iters) + ["--exit-interval", str(iters)]
+    argv = model_flags(o, stage, dp, iters=(runs + 1) * iters) + ["--exit-interval", str(iters)]
     wall, cpu = {"default": [], "fixed": []}, {"default": [], "fixed": []}
     for k in range(pairs):
         for mode in (("default", "fixed") if k % 2 == 0 else ("fixed", "default")):
@@ -268,9 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--mmap-threshold", type=int, default=None, help="each rank calls "
                    "megazero.zero.host_memory.return_freed_memory(BYTES) before the build (glibc M_MMAP_THRESHOLD; "
                    "without it glibc's default, although training.setup sets 1 MiB)")
-    p.add_argument("--save-timing", action="store_true", help="iteration time after a save, with and without "
-                   "--async-save (first --stages / --dp value)")
-    p.add_argument("--rounds", type=int, default=3, help="--save-timing: pairs of runs (sync, async)")
+    p.add_argument("--reduce-bucket-size", type=int, default=None, help="--zero-reduce-bucket-size (default: "
+                   "megazero's, 5e8, DeepSpeed's); at stage 2 a bucket's full gradient is the step's transient")
+    p.add_argument("--rounds", type=int, default=3, help="--mmap-ab: pairs of processes")
     p.add_argument("--mmap-ab", action="store_true", help="iteration time with and without "
                    "return_freed_memory(1 MiB), interleaved (first --stages / --dp value, --rounds pairs)")
     o = p.parse_args(argv)
@@ -278,12 +240,6 @@ def main(argv=None) -> int:
         load_avg = os.getloadavg()[0]
         print(json.dumps(dict(mmap_ab(o, o.stages[0], o.dp[0], pairs=o.rounds), load_before=load_avg,
                               load_after=os.getloadavg()[0])))
-        return 0
-    if o.save_timing:
-        load_avg = os.getloadavg()[0]
-        timing = dict(save_timing(o, o.stages[0], o.dp[0], rounds=o.rounds), load_before=load_avg,
-                      load_after=os.getloadavg()[0])
-        print(json.dumps(timing, indent=1))
         return 0
     work = tempfile.mkdtemp(prefix="megazero_memory_")
     rows, prev = [], None

@@ -6,9 +6,12 @@ overlapped with the rest of the backward (``overlap_comm``).
 At stage >= 2 a round's full gradient (``L g`` bytes) is freed only when its reduction finishes,
 so the reductions in flight are limited by bytes: after a launch, the oldest are waited for until
 at most ``_inflight_budget`` bytes are in flight (the newest always stays: it overlaps the next
-unit's backward). The budget is the largest non-root stage-3 unit's gradient (a layer's; the
-largest region's at stage 2), so besides the unit whose gradient is being produced about one
-layer's gradient is alive in flight. Stages 0/1 keep their full gradients anyway: no limit.
+unit's backward). The budget is the largest non-root stage-3 unit's gradient (a layer's), so
+besides the unit whose gradient is being produced about one layer's gradient is alive in flight.
+At stage 2 it is one reduce bucket (``reduce_bucket_size`` gradient elements), not the largest
+region: a parameter larger than the bucket (the vocabulary matrix) makes a region of its own, and
+budgeting by it would let several ordinary buckets fly at once. Stages 0/1 keep their full
+gradients anyway: no limit.
 
 Weight-gradient accumulation fusion (:meth:`GradientSync.add_weight_grad`, Megatron's
 ``--gradient-accumulation-fusion``): a layer may add its weight gradient ``G^T X`` straight into
@@ -24,7 +27,7 @@ from .region import Region
 
 class GradientSync:
     """Mixed into :class:`~.optimizer.ZeroOptimizer` (uses its ``regions``, ``gatherer``,
-    ``overlap``, ``M``, ``stage``, ``grad_dtype``, ``params_dtype``; sets ``_inflight``,
+    ``overlap``, ``M``, ``stage``, ``grad_dtype``, ``params_dtype``, ``reduce_bucket_size``; sets ``_inflight``,
     ``_inflight_budget`` and ``_slots``)."""
 
     def _register_hooks(self, chunks) -> list:
@@ -49,7 +52,10 @@ class GradientSync:
             return float("inf")
         units = [u.region for u in self.gatherer.units if not u.root] if self.gatherer is not None else []
         sizes = [r.padded * r.grad_bytes for r in (units or self.regions) if not r.persistent_grad]
-        return max(sizes, default=0)
+        if units:
+            return max(sizes, default=0)
+        bucket = self.reduce_bucket_size * torch.empty((), dtype=self.grad_dtype).element_size()
+        return min(max(sizes, default=0), bucket)  # stage 2: one bucket (a larger lone parameter's region waits)
 
     def _grad_hook(self, r: Region, i: int):
         def hook(p):

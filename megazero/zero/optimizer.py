@@ -85,7 +85,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.topo, self.stage, self.M = topo, stage, int(num_micro_batches)
         self.lr, self.weight_decay, self.betas, self.eps, self.clip_grad = lr, weight_decay, tuple(betas), eps, clip_grad
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
-        self.overlap = overlap_comm
+        self.overlap, self.reduce_bucket_size = overlap_comm, int(reduce_bucket_size)
         trainable = trainable_params(chunks)
         self.device, self.params_dtype = cast_params(trainable, params_dtype)
         if self.device.type == "meta":  # built on the meta device: materialized by the regions below

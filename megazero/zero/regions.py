@@ -5,7 +5,7 @@ stage and the tied-parameter groups, :func:`build_regions` returns the regions i
 and, for stage 3, the units to gather. It keeps no state and closes over no optimizer:
 
 * stages 0-2: per chunk, the chunk's own (untied) parameters in reverse registration order (the
-  order backward produces their gradients), cut into buckets of about ``reduce_bucket_size``
+  order backward produces their gradients), cut into buckets of at most ``reduce_bucket_size``
   elements (:func:`buckets`); flushed after every micro-batch at stage 2, after the M-th at 0/1.
 * stage 3: per chunk, one partitioned region per unit (:func:`~.stage3.find_units`, in reverse
   execution order), flushed every micro-batch; parameters registered in several modules or
@@ -98,15 +98,19 @@ def cast_params(trainable, params_dtype):
 
 
 def buckets(params, size: int) -> list[list]:
-    """Split params (already in execution order) into runs of about ``size`` elements each: a run
-    closes as soon as it holds ``>= size`` elements."""
+    """Split params (already in execution order) into runs of at most ``size`` elements: a run is
+    closed before a parameter that would take it past ``size``, so only a parameter larger than
+    ``size`` makes a run of its own that is longer (DeepSpeed's rule for its reduction bucket,
+    ``reduce_independent_p_g_buckets_and_remove_grads`` in deepspeed/runtime/zero/stage_1_and_2.py
+    @cde57d29). At stage 2 a bucket's full gradient is the transient the step holds beyond the
+    formula's ``4 Phi / N``, so this bounds it by ``size`` (or the largest parameter)."""
     out, cur, n = [], [], 0
     for p in params:
-        cur.append(p)
-        n += p.numel()
-        if n >= size:
+        if cur and n + p.numel() > size:
             out.append(cur)
             cur, n = [], 0
+        cur.append(p)
+        n += p.numel()
     if cur:
         out.append(cur)
     return out

@@ -91,7 +91,9 @@ def test_units_and_buckets():
     assert [m for m, _ in units] == [net.layers[0], net.layers[1], net]
     assert sum(len(ps) for _, ps in units) == len(list(net.parameters()))
     ps = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 5, 5, 20, 1)]
-    assert [len(b) for b in _buckets(ps, 10)] == [2, 2, 1]
+    assert [len(b) for b in _buckets(ps, 10)] == [2, 1, 1, 1]  # closed before overflowing (DeepSpeed)
+    assert [len(b) for b in _buckets(ps, 1)] == [1, 1, 1, 1, 1]
+    assert [len(b) for b in _buckets(ps, 100)] == [5]
 
 
 # ---- parsing real-shaped configs ------------------------------------------------------------
