@@ -108,3 +108,33 @@ def test_loop_bench_runs_megazero_and_both_peers(capsys):
         assert row["megazero_ms"] > 0 and row["peer_ms"] > 0
         assert abs(row["ratio"] - row["megazero_ms"] / row["peer_ms"]) < 0.01 * row["ratio"]
     assert lines[0]["kind"] == "config" and lines[-1]["kind"] == "load"
+
+
+def _bench(script, *flags, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run([sys.executable, f"bench/{script}", *flags], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_save_timing_runs_both_modes():
+    """bench/save_timing.py at a tiny size: saves at 2 and 4 of 5 iterations, so iterations 3 and
+    5 are the after-save ones in each mode."""
+    out = json.loads(_bench("save_timing.py", "--stage", "1", "--dp", "2", "--layers", "1", "--hidden", "64",
+                            "--heads", "4", "--rounds", "1", "--iters", "5", "--interval", "2"))
+    for mode in ("sync", "async"):
+        assert len(out[mode]["after_save_ms"]) == 2 and out[mode]["ratio"] > 0
+    assert out["ranks"] == 2
+
+
+def test_memory_bench_stage2_bound_counts_its_bucket():
+    """bench/memory.py at a tiny size, stage 2: every phase reported, and the bound's transient is
+    the largest bucket's full fp32 gradient when that is larger than the largest weight."""
+    out = _bench("memory.py", "--stages", "2", "--dp", "2", "--layers", "1", "--hidden", "64", "--heads", "4",
+                 "--dtype", "fp32", "--reduce-bucket-size", "100000000")
+    row = json.loads(next(line for line in out.splitlines() if line.startswith('{"stage"')))
+    assert set(row["peaks"]) == {"build", "step", "save", "load"}
+    assert row["bucket"] == row["transient"] > 4 * 50304 * 64, "one bucket: the whole model's fp32 gradient"
+    assert 16 * row["phi"] <= row["written"] < 1.05 * 16 * row["phi"], "fp32: one copy of weights + master + moments"

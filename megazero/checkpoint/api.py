@@ -124,6 +124,15 @@ def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | No
     return files.PendingSave(root, iteration, rank, state, meta).start(writer)
 
 
+def reserve_save(writer: AsyncWriter, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict,
+                 save_optim: bool = True, save_rng: bool = True) -> None:
+    """Have ``writer`` start and allocate (and fault in) the shared buffer that
+    :func:`start_save` with the same arguments will copy this rank's state into
+    (:meth:`~.async_writer.AsyncWriter.reserve`); not collective, nothing written."""
+    index = rank_index(topo, stages.chunks, optimizer)
+    writer.reserve(_snapshot(topo, stages, optimizer, index, scheduler_state, counters, save_optim, save_rng))
+
+
 def save_run(root: str, **kwargs) -> str:
     """Save checkpoint ``iteration`` under ``root`` and publish it; returns its folder. Collective.
     Keywords: those of :func:`start_save` (without ``writer``)."""

@@ -152,6 +152,34 @@ class AsyncWriter:
         self.buffer, self.sizes = torch.frombuffer(mapped, dtype=torch.uint8), list(sizes)  # keeps `mapped`
         self.allocations += 1
 
+    def _plan(self, state):
+        """``(skeleton pickle, tensor specs, storages, their sizes)`` of ``state``: one region per
+        distinct storage, as ``torch.save`` writes one record each."""
+        out = io.BytesIO()
+        pickler = _Skeleton(out)
+        pickler.dump(state)
+        regions, specs = {}, []
+        for t in pickler.tensors:
+            storage = t.untyped_storage()
+            key = (storage.device, storage.data_ptr(), storage.nbytes()) if storage.nbytes() else ("empty", id(t))
+            region = regions.setdefault(key, (len(regions), storage))[0]
+            specs.append((region, str(t.dtype).removeprefix("torch."), t.storage_offset(), tuple(t.shape), t.stride()))
+        storages = [s for _, s in sorted(regions.values(), key=lambda r: r[0])]
+        return out.getvalue(), specs, storages, [s.nbytes() for s in storages]
+
+    def reserve(self, state) -> None:
+        """Start the writer and allocate the shared buffer a save of ``state`` (or of a state
+        of the same shapes) will use, touching every page now: the first save then costs the
+        training process one plain copy, like every later one, instead of also faulting the
+        buffer in (measured 0.29 s against 0.06-0.08 s for 256 MiB). Nothing is written."""
+        try:
+            sizes = self.start()._plan(state)[3]
+            if sizes != self.sizes:
+                self._allocate(sizes)
+                self.buffer.fill_(0)
+        except (BrokenPipeError, ConnectionResetError):
+            raise WriterDied(self._death()) from None
+
     def submit(self, path: str, state) -> None:
         """Snapshot ``state`` into the shared buffer and ask the writer to write it to ``path``
         (``path + '.partial'`` first, then renamed). Returns once the snapshot is taken; raises
@@ -159,17 +187,7 @@ class AsyncWriter:
         if self.in_flight:
             raise RuntimeError("AsyncWriter.submit: the previous save has not been waited for")
         self.start()
-        out = io.BytesIO()
-        pickler = _Skeleton(out)
-        pickler.dump(state)
-        regions, specs = {}, []
-        for t in pickler.tensors:  # one region per distinct storage, as torch.save writes one record each
-            storage = t.untyped_storage()
-            key = (storage.device, storage.data_ptr(), storage.nbytes()) if storage.nbytes() else ("empty", id(t))
-            region = regions.setdefault(key, (len(regions), storage))[0]
-            specs.append((region, str(t.dtype).removeprefix("torch."), t.storage_offset(), tuple(t.shape), t.stride()))
-        storages = [s for _, s in sorted(regions.values(), key=lambda r: r[0])]
-        sizes = [s.nbytes() for s in storages]
+        payload, specs, storages, sizes = self._plan(state)
         try:
             if sizes != self.sizes:
                 self._allocate(sizes)
@@ -178,7 +196,7 @@ class AsyncWriter:
                 if n:
                     src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
                     self.buffer[offset:offset + n].copy_(src)
-            _send(self.sock, ("save", path, out.getvalue(), specs))
+            _send(self.sock, ("save", path, payload, specs))
         except (BrokenPipeError, ConnectionResetError):  # the socket's other end is closed: the writer is gone
             raise WriterDied(self._death()) from None
         self.in_flight = True

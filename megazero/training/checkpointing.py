@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from megazero.checkpoint import schema
-from megazero.checkpoint.api import load_run, start_save
+from megazero.checkpoint.api import load_run, reserve_save, start_save
 from megazero.checkpoint.async_writer import AsyncWriter
 
 
@@ -30,12 +30,9 @@ class TrainerCheckpoints:
         self.finish_save()
         self.optimizer.wait_params()
         t0 = time.time()
-        pending = start_save(args.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                             scheduler_state=self.scheduler.state_dict(),
-                             counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
+        pending = start_save(args.save, **self._rank_state_args(), iteration=self.iteration,
                              consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
                              saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
-                             save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
                              writer=self.async_writer() if args.async_save else None)
         if args.async_save:  # every rank alike: finish() is collective, whatever this rank's snapshot did
             self.pending_save = pending
@@ -45,6 +42,17 @@ class TrainerCheckpoints:
         path = pending.finish()
         print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
+
+    def _rank_state_args(self) -> dict:
+        """The keywords that say what this rank's checkpoint file holds."""
+        return dict(topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                    scheduler_state=self.scheduler.state_dict(), counters={"skipped": self.skipped, "nans": self.nans},
+                    save_optim=not self.args.no_save_optim, save_rng=not self.args.no_save_rng)
+
+    def prepare_async_save(self) -> None:
+        """``--async-save``: start this rank's writer and fault in its snapshot buffer before the
+        first step (a torch import and the buffer's page faults, not in the step after a save)."""
+        reserve_save(self.async_writer(), **self._rank_state_args())
 
     def async_writer(self) -> AsyncWriter:
         """This rank's writer (``--async-save``): started by ``train()`` (or the first save), kept for the run."""

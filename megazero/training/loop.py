@@ -123,8 +123,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         args, batches = self.args, self.batches
         self.first_iteration, self.exit_signal = self.iteration, exit_signal
         m_prev = batches.num_micro_batches(self.consumed_samples)
-        if args.async_save and args.save:  # the writer's start (a torch import) before the first step, not after a save
-            self.async_writer().start()
+        if args.async_save and args.save:  # the writer's start and its buffer before the first step, not after a save
+            self.prepare_async_save()
         with self._source(self.train_ds, self.consumed_samples, read_ahead=m_prev) as source:
             log_start = time.time()
             while self.iteration < args.train_iters:

@@ -45,6 +45,8 @@ def test_async_file_is_the_sync_file_and_buffers_are_reused(tmp_path):
     sync, async_ = str(tmp_path / "sync"), str(tmp_path / "async")
     writer = AsyncWriter()
     try:
+        writer.reserve(_state(9.0, 40))  # train()'s start: the writer and the first save's buffer, faulted in
+        assert writer.allocations == 1 and writer.alive() and not writer.in_flight
         for it, scale, n in [(1, 1.0, 40), (2, 2.0, 40), (3, 3.0, 40), (4, 4.0, 64)]:
             _save(sync, it, _state(scale, n)).finish()
             state = _state(scale, n)
@@ -59,7 +61,8 @@ def test_async_file_is_the_sync_file_and_buffers_are_reused(tmp_path):
                 pid = writer.pid
                 assert os.getpriority(os.PRIO_PROCESS, pid) == 19
         assert writer.pid == pid, "one writer process for the run"
-        assert writer.allocations == 2, "the buffer is reused while the shape stays, reallocated when it changes"
+        assert writer.allocations == 2, ("the reserved buffer is the first save's and is reused while the shape "
+                                         "stays, reallocated when it changes")
     finally:
         writer.close()
     assert writer.proc.wait(timeout=120) == 0  # it leaves at end-of-file
