@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megazero.arguments import parse_args
 from megazero.testing import run_distributed
@@ -190,3 +191,22 @@ def test_first_run_with_load_pointing_at_a_missing_folder_starts_from_scratch(tm
     assert [it for it, _ in first] == [1, 2]
     second = train(1, flags + ["--train-iters", "3"])
     assert [it for it, _ in second] == [3]
+
+
+def _seeded(rank, world_size, argv):
+    import random
+
+    from megazero.training import setup
+    trainer = setup(parse_args(argv, world_size=world_size))
+    return trainer.topo.pp_rank, random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_seed_sets_python_numpy_and_torch_per_pipeline_stage():
+    """--seed 7 at PP 2: stage s seeds Python's random, numpy and torch with 7 + 100 s (Megatron's
+    _set_random_seed), before anything draws from them."""
+    import random
+    for pp_rank, py, npy, th in run_distributed(_seeded, 2, TINY + MOCK + ["--train-iters", "4"] + layout_flags(1, 2, None, 0)):
+        seed = 7 + 100 * pp_rank
+        assert py == random.Random(seed).random()
+        assert npy == float(np.random.RandomState(seed).rand())
+        assert th == float(torch.rand((), generator=torch.Generator().manual_seed(seed)))

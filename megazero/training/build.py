@@ -14,9 +14,10 @@
 2. **Launch**: join torch.distributed (torchrun, SLURM or one process); the device follows the
    backend.
 3. **Topology**: the TP x PP x DP process groups, created once and passed to everything below.
-4. **Seeds**: ``seed + 100 * pp_rank`` for torch (per-stage dropout streams as Megatron),
-   ``seed`` for numpy. Parameter values never depend on them (each weight is drawn from its own
-   name-seeded generator), so every layout starts from the same model.
+4. **Seeds**: ``seed + 100 * pp_rank`` for Python's ``random``, numpy and torch, as Megatron-LM's
+   ``_set_random_seed`` (megatron/training/initialize.py @00c2c0ad; per-stage dropout streams).
+   Parameter values never depend on them (each weight is drawn from its own name-seeded
+   generator), so every layout starts from the same model.
 5. **Datasets**: collective (rank 0 builds the index caches, the others wait), so after the groups.
 6. **Model**: ``model_provider(model_config, topo, micro_batch_size)`` returns this rank's
    :class:`ModelStages` (its pipeline chunks and the plain objects the generic packages need),
@@ -33,6 +34,7 @@
 
 from __future__ import annotations
 
+import random
 from datetime import timedelta
 
 import numpy as np
@@ -45,6 +47,13 @@ from megazero.parallel.launch import current_rank, init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of, with_checkpoint_tokenizer
 from megazero.zero.host_memory import return_freed_memory
+
+
+def seed_host_generators(seed: int) -> None:
+    """Step 4: Python's ``random``, numpy's global generator and torch's default generator."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def build_configs(args) -> tuple[GPTConfig, OptimizerConfig]:
@@ -107,8 +116,7 @@ def setup(args, model_provider=None, forward_step_func=None, *, fix_mmap_thresho
                     pp=args.pipeline_model_parallel_size,
                     vp=args.virtual_pipeline_model_parallel_size or 1).create_groups(
         timeout=timedelta(minutes=args.distributed_timeout_minutes))  # every group: no collective waits forever
-    torch.manual_seed(args.seed + 100 * topo.pp_rank)                                                # 4
-    np.random.seed(args.seed)
+    seed_host_generators(args.seed + 100 * topo.pp_rank)                                            # 4
     datasets = build_datasets(args, model_config.vocab_size)                                         # 5
     provider = model_provider or default_model_provider  # ZeRO-3: built on the meta device if it can  # 6
     stages = provider(model_config, topo, args.micro_batch_size, **provider_options(provider, args.zero_stage))
