@@ -151,18 +151,32 @@ def build_regions(ctx: RegionContext, chunks, trainable, shared_of: dict, *, red
     name}`` of the tied parameters (insertion order = ``shared_params`` order), each name a group
     of ``ctx.comm``; ``units``: stage-3 unit modules per chunk (list of lists) or None (found).
     """
-    out = Regions()
+    out, specs = Regions(), []
     for c, (chunk, ps) in enumerate(zip(chunks, trainable)):
         own = [p for p in ps if p not in shared_of]
         if ctx.stage < 3:
-            out.regions += [ctx.region(b, c) for b in buckets(list(reversed(own)), reduce_bucket_size)]
+            specs += [(b, c, {}) for b in buckets(list(reversed(own)), reduce_bucket_size)]
         else:
             _stage3_chunk(ctx, out, c, chunk, own, param_persistence_threshold,
                           units[c] if units is not None else None)
     for name in dict.fromkeys(shared_of.values()):
         ps = [p for p, n in shared_of.items() if n == name]
-        out.regions.append(ctx.region(ps, -1, flush_every=ctx.num_micro_batches, keep_full=True, shared=name))
+        specs.append((ps, -1, dict(flush_every=ctx.num_micro_batches, keep_full=True, shared=name)))
+    out.regions += largest_first(ctx, specs)
     return out
+
+
+def largest_first(ctx: RegionContext, specs) -> list[Region]:
+    """The regions of ``specs`` (``(params, chunk, keywords)`` in reduction order, returned in
+    that order), constructed largest first. Constructing a region copies (or, on the meta device,
+    draws) its parameters, a transient of about its largest parameter's fp32 size; built first,
+    the largest (the vocabulary matrix's) meets only its own state instead of every other
+    region's (ZeRO-2, DP 4, 152M parameters: build peak 1.48 GB in reduction order)."""
+    regions = [None] * len(specs)
+    for k in sorted(range(len(specs)), key=lambda k: -sum(p.numel() for p in specs[k][0])):
+        params, c, keywords = specs[k]
+        regions[k] = ctx.region(params, c, **keywords)
+    return regions
 
 
 def split_shard_ranges(region, ids) -> tuple[list, list]:

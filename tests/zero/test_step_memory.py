@@ -62,3 +62,20 @@ def test_reductions_in_flight_bounded_by_bytes():
                 assert all(n <= 300 or k == 1 for n, k in regions) and any(k > 1 for _, k in regions), regions
             assert max(b for _, b in seen) > 0, "reductions were in flight"
             assert all(n <= 1 or b <= budget for n, b in seen), (stage, budget, seen)  # or only the newest
+
+
+def test_regions_are_built_largest_first_and_kept_in_reduction_order():
+    """The largest region's construction transient (its parameters drawn or copied) comes before
+    the other regions' states exist; the list stays in reduction order."""
+    from megazero.zero.regions import largest_first
+    built = []
+
+    class Ctx:
+        def region(self, params, chunk, **keywords):
+            built.append(sum(p.numel() for p in params))
+            return params, chunk, keywords
+
+    specs = [([torch.zeros(3)], 0, {}), ([torch.zeros(50), torch.zeros(1)], 0, {}), ([torch.zeros(7)], -1, {"shared": "t"})]
+    out = largest_first(Ctx(), specs)
+    assert built == [51, 7, 3]
+    assert [(sum(p.numel() for p in ps), c, kw) for ps, c, kw in out] == [(3, 0, {}), (51, 0, {}), (7, -1, {"shared": "t"})]
