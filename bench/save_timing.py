@@ -3,16 +3,20 @@ under torchrun that save every ``--interval`` iterations, synchronous and asynch
 alternating so both see the same machine::
 
     PYTHONPATH=. .venv/bin/python bench/save_timing.py --stage 3 --dp 2 --layers 2 --hidden 512 \\
-        --heads 8 --dtype fp32 --rounds 3 --iters 16 --interval 3
+        --heads 8 --dtype fp32 --rounds 3 --iters 25 --interval 6
 
 The log line of iteration i is printed before its save, so a save's cost lands in iteration
 i + 1: "after save" = the iteration after each save (the run's last save is waited for at exit,
 after the last line), "normal" = every other iteration but the first. Ratio = median(after
 save) / median(normal), per mode. With ``--async-save`` the trainer starts the writer and faults
 its buffer in before the first iteration (``Trainer.prepare_async_save``), so every save costs
-the rank one copy of its state into that buffer; what the writer then does (``torch.save``'s
-records and CRC-32s, the page cache) needs a core of its own: with as many ranks as cores it
-takes the ranks' CPU (``--dp`` = the box's cores) and shows up in the iterations it overlaps.
+the rank one copy of its state into that buffer -- provided the previous write has ended: a
+save asked for while the previous one is still being written waits for it (as Megatron's
+``--async-save`` does), so saves closer together than the disk can absorb them cost the same
+either way (``save_s`` lists how long each took, snapshot to publication). What the writer
+does (``torch.save``'s records and CRC-32s, the page cache) needs a core of its own: with as
+many ranks as cores (``--dp`` = the box's cores) it takes the ranks' CPU and shows up in the
+iterations it overlaps.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from memory import model_flags  # noqa: E402  (bench/memory.py: the same GPT flags)
 
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)")
+_WRITE = re.compile(r"saved checkpoint at iteration\s+\d+ to \S+ (?:in ([\d.]+) s|\(([\d.]+) s after it started\))")
 
 
-def timed_run(o, background: bool) -> dict:
-    """``{iteration: ms}`` from the log of one run saving every ``o.interval`` iterations."""
+def timed_run(o, background: bool) -> tuple[dict, list]:
+    """``({iteration: ms}, [seconds each save took])`` from the log of one run saving every
+    ``o.interval`` iterations (synchronous: the save's own time; asynchronous: from the snapshot
+    to the publication, which waits for the write)."""
     from megazero.testing import free_port
     folder = tempfile.mkdtemp(prefix="megazero_save_timing_")
     flags = model_flags(o, o.stage, o.dp, iters=o.iters) + ["--log-interval", "1", "--save", folder,
@@ -50,16 +57,20 @@ def timed_run(o, background: bool) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return {int(m.group(1)): float(m.group(2)) for m in _LINE.finditer(done.stdout)}
+    times = {int(m.group(1)): float(m.group(2)) for m in _LINE.finditer(done.stdout)}
+    writes = [float(m.group(1) or m.group(2)) for m in _WRITE.finditer(done.stdout)]
+    return times, writes
 
 
 def save_timing(o) -> dict:
     """``o.rounds`` pairs of runs (synchronous first, then ``--async-save``); per mode the
     after-save and normal iteration times, their medians and ratio (module docstring)."""
-    times = {"sync": [], "async": []}
+    times, writes = {"sync": [], "async": []}, {"sync": [], "async": []}
     for _ in range(o.rounds):
         for mode in ("sync", "async"):
-            times[mode].append(timed_run(o, background=mode == "async"))
+            run, saves = timed_run(o, background=mode == "async")
+            times[mode].append(run)
+            writes[mode] += saves
     after = set(range(o.interval + 1, o.iters + 1, o.interval))
     out = {}
     for mode, runs in times.items():
@@ -67,7 +78,8 @@ def save_timing(o) -> dict:
         normal = [t[i] for t in runs for i in t if i != 1 and i not in after]
         out[mode] = {"after_save_ms": saving, "median_after_save_ms": statistics.median(saving),
                      "median_normal_ms": statistics.median(normal),
-                     "ratio": statistics.median(saving) / statistics.median(normal)}
+                     "ratio": statistics.median(saving) / statistics.median(normal),
+                     "save_s": writes[mode]}
     return out
 
 
@@ -82,8 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     p.add_argument("--reduce-bucket-size", type=int, default=None)
     p.add_argument("--rounds", type=int, default=3, help="pairs of runs (sync, async)")
-    p.add_argument("--iters", type=int, default=16, help="iterations per run")
-    p.add_argument("--interval", type=int, default=3, help="--save-interval")
+    p.add_argument("--iters", type=int, default=25, help="iterations per run")
+    p.add_argument("--interval", type=int, default=6, help="--save-interval (long enough for a write to end "
+                   "before the next save: else that save waits for it, asynchronous or not)")
     o = p.parse_args(argv)
     if o.interval < 2 or o.iters <= o.interval:
         p.error("--interval must be >= 2 and below --iters (a normal iteration between saves)")

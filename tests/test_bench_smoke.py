@@ -126,6 +126,7 @@ def test_save_timing_runs_both_modes():
                             "--heads", "4", "--rounds", "1", "--iters", "5", "--interval", "2"))
     for mode in ("sync", "async"):
         assert len(out[mode]["after_save_ms"]) == 2 and out[mode]["ratio"] > 0
+        assert len(out[mode]["save_s"]) == 3, "saves at 2 and 4, and at the end"
     assert out["ranks"] == 2
 
 
