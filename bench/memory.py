@@ -117,7 +117,7 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     result["read_load"] = trainer.load_bytes
     if prev_dir:
         with _phase(result, "reshard"):
-            trainer.args = args.replace(load=prev_dir)
+            trainer.args = args.replace(load=prev_dir, override_opt_param_scheduler=True)  # its batch size: DP
             trainer.load()
         result["read_reshard"] = trainer.load_bytes
     return result
