@@ -1,5 +1,7 @@
 """Launch-environment detection: torchrun, SLURM (hostlists, tasks per node), single process."""
 
+import pytest
+
 from megazero.parallel.launch import detect_launch, expand_nodelist, threads_per_rank
 
 
@@ -22,5 +24,9 @@ def test_detect_torchrun_slurm_single():
 
 
 def test_threads_per_rank():
-    assert threads_per_rank(8, cores=2) == 1
-    assert threads_per_rank(2, cores=16) == 8
+    assert threads_per_rank(8, cores=2, env={}) == 1
+    assert threads_per_rank(2, cores=16, env={}) == 8
+    assert threads_per_rank(2, cores=16, env={"OMP_NUM_THREADS": "3"}) == 3  # the user's (or torchrun's) choice
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
+            threads_per_rank(1, cores=2, env={"OMP_NUM_THREADS": bad})

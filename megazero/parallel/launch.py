@@ -89,8 +89,16 @@ def current_rank(env=os.environ) -> int:
     return dist.get_rank() if dist.is_initialized() else detect_launch(env).rank
 
 
-def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
-    """One thread when ranks outnumber cores, else an even share of the node's cores."""
+def threads_per_rank(local_world_size: int, cores: int | None = None, env=os.environ) -> int:
+    """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (as PyTorch itself reads it;
+    torchrun sets 1 when it starts several processes per node), else an even share of the node's
+    cores, one at least. Leaving cores free matters to ``--async-save``, whose writer processes
+    need CPU beside the ranks."""
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={given!r}: expected a positive integer (threads per rank)")
+        return int(given)
     cores = cores or os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
 
@@ -115,7 +123,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(threads_per_rank(launch.local_world_size))
+        torch.set_num_threads(threads_per_rank(launch.local_world_size, env=env))
     timeout = timedelta(minutes=timeout_minutes)
     if launch.world_size == 1:  # one process (also `WORLD_SIZE=1 RANK=0`): no port to bind or share
         store = dist.HashStore()
