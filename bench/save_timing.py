@@ -16,7 +16,10 @@ save asked for while the previous one is still being written waits for it (as Me
 either way (``save_s`` lists how long each took, snapshot to publication). What the writer
 does (``torch.save``'s records and CRC-32s, the page cache) needs a core of its own: with as
 many ranks as cores (``--dp`` = the box's cores) it takes the ranks' CPU and shows up in the
-iterations it overlaps.
+iterations it overlaps. ``--threads`` leaves cores free (``OMP_NUM_THREADS``), as the ranks of
+a GPU node do::
+
+    PYTHONPATH=. .venv/bin/python bench/save_timing.py --dp 1 --threads 1 --rounds 3 --iters 37 --interval 12
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def timed_run(o, background: bool) -> tuple[dict, list]:
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", str(o.dp),
            "--master-port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + flags
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        env = dict(os.environ, OMP_NUM_THREADS=str(o.threads)) if o.threads else None
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if done.returncode:
@@ -93,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
     p.add_argument("--reduce-bucket-size", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per rank (default: torchrun's and "
+                   "megazero's, cores // ranks); fewer leaves cores to the --async-save writers")
     p.add_argument("--rounds", type=int, default=3, help="pairs of runs (sync, async)")
     p.add_argument("--iters", type=int, default=25, help="iterations per run")
     p.add_argument("--interval", type=int, default=6, help="--save-interval (long enough for a write to end "
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
         p.error("--interval must be >= 2 and below --iters (a normal iteration between saves)")
     load_before = os.getloadavg()[0]
     result = dict(save_timing(o), load_before=load_before, load_after=os.getloadavg()[0],
-                  cpus=os.cpu_count(), ranks=o.dp)
+                  cpus=os.cpu_count(), ranks=o.dp, threads=o.threads)
     print(json.dumps(result, indent=1))
     return 0
 
