@@ -81,7 +81,9 @@ def model_flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
 
 
 def _sizes(opt) -> dict:
-    """Model-state bytes (actual, formula), Φ, the largest unit's transient bytes."""
+    """Model-state bytes (actual, formula), Φ, and the transient the bound adds: the largest of
+    a stage-3 unit's full parameters and gradient, the largest fp32 weight draw and the largest
+    stage-2 bucket's full gradient (``bucket``, also returned alone)."""
     sb = opt.state_bytes()
     units = [r.padded for r in opt.regions if r.partitioned]
     draw = 4 * max(p.numel() for r in opt.regions for p in r.params)
