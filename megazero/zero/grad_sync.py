@@ -54,7 +54,7 @@ class GradientSync:
         sizes = [r.padded * r.grad_bytes for r in (units or self.regions) if not r.persistent_grad]
         if units:
             return max(sizes, default=0)
-        bucket = self.reduce_bucket_size * torch.empty((), dtype=self.grad_dtype).element_size()
+        bucket = self.reduce_bucket_size * self.grad_dtype.itemsize
         return min(max(sizes, default=0), bucket)  # stage 2: one bucket (a larger lone parameter's region waits)
 
     def _grad_hook(self, r: Region, i: int):
