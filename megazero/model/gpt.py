@@ -125,7 +125,7 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
-        return None
+        return self.final_norm if self.pre_process and self.post_process else None
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
         """Consecutive layers and whether each run is recomputed (full granularity)."""
@@ -186,6 +186,16 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
                                             self.config.label_smoothing)
         return loss.t().contiguous()  # [b, s] fp32
+
+    def root_backward_reads_end(self) -> nn.Module | None:
+        """For ZeRO-3 (:class:`~megazero.zero.stage3.ParamGatherer`): the module after whose
+        backward -- once its input's gradient exists -- this chunk's backward reads no parameter
+        outside its transformer layers: the final norm, when the chunk has both ends. Backward
+        reads the output layer's ``W`` (``dX = G W``) and the norm's weights, but the embeddings'
+        backward only adds rows (``dW[ids] += G``, ``dW_pos[pos] += G``) and reads no weight.
+        None where the chunk lacks either end (its root parameters' gradients complete without
+        the embedding's, or the embedding is all there is)."""
+        return self.final_norm if self.pre_process and self.post_process else None
 
     def tp_duplicated_parameters(self) -> list[nn.Parameter]:
         """Parameters replicated (not split) over the TP group: norms, row-parallel biases,

@@ -3,7 +3,9 @@
 A unit is a module whose parameters are gathered with one coalesced all-gather (volume L, over
 DP).  Default units (:func:`find_units`): every child of an ``nn.ModuleList``/``ModuleDict`` (a
 transformer layer), plus one unit on the chunk root for everything else (embedding, final norm,
-head), which therefore stays gathered through the chunk's forward and through its backward.
+head), which therefore stays gathered through the chunk's forward and, in backward, until the
+chunk's ``root_backward_reads_end()`` module (GPT: the final norm) has its input's gradient, when
+that method exists (the embeddings' backward reads no weight), else until its gradients are done.
 
 Per micro-batch a unit is gathered before its forward (forward pre-hook) and again before its
 backward (hook on its outputs' gradients), and released after each, so one step with M
@@ -60,11 +62,12 @@ def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
 
 
 class _Unit:
-    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "pending", "stamp")
+    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "ended", "pending", "stamp")
 
     def __init__(self, index, chunk, region, root):
         self.index, self.chunk, self.region, self.root = index, chunk, region, root
         self.in_fwd = self.in_bwd = 0
+        self.ended = 0  # backwards whose parameter reads ended before the gradients were complete
         self.pending: Pending | None = None
         self.stamp = 0
 
@@ -87,9 +90,13 @@ class ParamGatherer:
         self.order: dict[int, list[int]] | None = None  # chunk -> unit indices in forward order
         self.pos: dict[int, int] = {}
         self.handles = []
-        for (module, _, _, _), unit in zip(units, self.units):
+        for (module, _, _, root), unit in zip(units, self.units):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
             self.handles.append(module.register_forward_hook(self._post_forward(unit)))
+            end = getattr(module, "root_backward_reads_end", None) if root else None
+            boundary = end() if end is not None else None
+            if boundary is not None:
+                self.handles.append(boundary.register_forward_pre_hook(self._end_of_reads(unit)))
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit):
@@ -120,10 +127,37 @@ class ParamGatherer:
             self._maybe_release(unit, self._distance(unit, after_forward=True))
         return hook
 
+    def _end_of_reads(self, unit):
+        """A root unit's early end of backward: a forward pre-hook on the module the chunk names
+        (``root_backward_reads_end()``, GPT: the final norm) that hooks the gradient of its
+        input. Once that gradient exists, the rest of the chunk's backward reads none of the
+        root's parameters (the embedding's backward is ``dW[ids] += G``), so the unit is released
+        then, not when its last gradient (the tied embedding's) arrives: during the layers'
+        backward the vocabulary matrix is not held (ZeRO-3, DP 2, 152M: 0.1 GB less at the step's
+        peak). Nothing is gathered more often: the count of all-gathers stays 2 per micro-batch."""
+        def on_grad(grad):
+            unit.ended += 1
+            unit.in_bwd = max(0, unit.in_bwd - 1)
+            self._maybe_release(unit, self._distance(unit, after_forward=False))
+
+        def hook(module, args):
+            if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor) \
+                    or not args[0].requires_grad:
+                return None
+            # a view (no copy) of the input: its gradient arrives just before the input's, so the
+            # unit is released before the hooks on the input (the next unit's gather) run
+            x = args[0].view_as(args[0])
+            x.register_hook(on_grad)
+            return (x,) + tuple(args[1:])
+        return hook
+
     def backward_done(self, region) -> None:
         """The optimizer saw the unit's round complete: all its gradients for this micro-batch."""
         unit = self.by_region.get(id(region))
         if unit is None:
+            return
+        if unit.ended:  # its backward's reads ended earlier (_end_of_reads) and were counted there
+            unit.ended -= 1
             return
         unit.in_bwd = max(0, unit.in_bwd - 1)
         self._maybe_release(unit, self._distance(unit, after_forward=False))
@@ -201,7 +235,7 @@ class ParamGatherer:
         """Release everything (shards are about to change) and fix the execution order."""
         for u in self.units:
             self._release(u)
-            u.in_fwd = u.in_bwd = 0
+            u.in_fwd = u.in_bwd = u.ended = 0
         if self.order is None and self.seen:
             self.order = {}
             for i in self.seen:

@@ -51,9 +51,10 @@ def gpt_reference(data, *, tied=True, clip=0.0, lr=1e-2, wd=0.1, betas=(0.9, 0.9
     return {k: v.clone() for k, v in model.full_state_dict().items()}
 
 
-def gpt_train(topo, data, args, tied=True):
+def gpt_train(topo, data, args, tied=True, inspect=None):
     """Train this rank's GPT stages with a PipelineRunner and ZeroOptimizer, built from the flags
-    exactly as training does (OptimizerConfig.from_args, the stages' shared/TP-duplicated lists)."""
+    exactly as training does (OptimizerConfig.from_args, the stages' shared/TP-duplicated lists);
+    ``inspect(chunks, optimizer)`` runs before the first step (a test's hooks)."""
     from megazero.config import OptimizerConfig
     from megazero.model import GPTConfig
     from megazero.model.stages import gpt_forward_step, gpt_stages
@@ -65,6 +66,8 @@ def gpt_train(topo, data, args, tied=True):
     opt = ZeroOptimizer(chunks, topo, **OptimizerConfig.from_args(args).kwargs(), shared_params=stages.shared_params,
                         tp_duplicated_params=stages.tp_duplicated_params)
     runner = PipelineRunner(topo, args.num_micro_batches, stages.activation_shape, stages.activation_dtype)
+    if inspect is not None:
+        inspect(chunks, opt)
     for step in data:
         runner.run(chunks, step[topo.dp_rank], gpt_forward_step, grad_scale=opt.loss_scale)
         opt.finish_grad_sync()

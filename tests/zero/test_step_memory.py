@@ -79,3 +79,36 @@ def test_regions_are_built_largest_first_and_kept_in_reduction_order():
     out = largest_first(Ctx(), specs)
     assert built == [51, 7, 3]
     assert [(sum(p.numel() for p in ps), c, kw) for ps, c, kw in out] == [(3, 0, {}), (51, 0, {}), (7, -1, {"shared": "t"})]
+
+
+def _root_held(rank, world, tied):
+    """ZeRO-3 GPT (DP 2, M = 2): whether the root unit (embeddings, final norm, output layer) is
+    gathered when the first layer's backward is done, per micro-batch; and the trained weights."""
+    from tests.zero.gpt_helpers import args_for, gpt_batches, gpt_train
+    topo = Topology(world, rank).create_groups()
+    seen = []
+
+    def watch(chunks, opt):
+        root = next(u for u in opt.gatherer.units if u.root)
+
+        def pre(module, args):
+            if torch.is_grad_enabled():
+                args[0].register_hook(lambda g: seen.append(root.region.gathered))
+        chunks[0].layers["0"].register_forward_pre_hook(pre)
+    args = args_for(3, 2, adam_eps=1e-6, lr=1e-3, clip_grad=0.05)  # test_compose_gpt's settings
+    full, multiple = gpt_train(topo, gpt_batches(2, world, 2), args, tied=tied, inspect=watch)
+    return seen, multiple, full
+
+
+def test_stage3_root_unit_released_before_the_layers_backward():
+    """The root unit's parameters are read in backward only by the final norm and output layer
+    (the embeddings' backward adds rows), so it is released once the final norm's input gradient
+    exists, not held through the layers' backward until the tied embedding's gradient arrives;
+    the number of gathers (3 x the volume) and the trained weights do not change."""
+    from tests.zero.gpt_helpers import compare, gpt_batches, gpt_reference
+    for tied in (True, False):
+        ref = gpt_reference(gpt_batches(2, 2, 2), tied=tied, eps=1e-6, lr=1e-3, clip=0.05)
+        for seen, multiple, full in run_distributed(_root_held, 2, tied):
+            assert seen == [False] * 4, seen  # 2 steps x 2 micro-batches, never held
+            assert multiple == 3.0 * 2  # M = 2: two gathers and a reduce-scatter per micro-batch
+            assert compare(full, ref) <= 1e-5
