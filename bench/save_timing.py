@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from memory import model_flags  # noqa: E402  (bench/memory.py: the same GPT flags)
 
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?per iteration \(ms\): ([\d.]+)")
-_WRITE = re.compile(r"saved checkpoint at iteration\s+\d+ to \S+ (?:in ([\d.]+) s|\(([\d.]+) s after it started\))")
+_WRITE = re.compile(r"saved checkpoint at iteration\s+\d+ to \S+ (?:in ([\d.]+) s|\(([\d.]+) s after it started)")
 
 
 def timed_run(o, background: bool) -> tuple[dict, list]:

@@ -14,11 +14,12 @@ slot    this rank's contribution                                                
 +2      1 (the ranks holding the loss: last pipeline stage, TP rank 0), else 0      = DP
 +3      1 if this iteration's loss is inf/NaN                                       > 0: any
 +4, +5  the exit signal and ``--exit-duration-in-mins`` flags                        > 0: any
++6      1 while this rank's ``--async-save`` write is still in flight                 > 0: any
 ======  ==========================================================================  =========
 
 The loss slots are divided by slot +2 (the DP size) on the host: the DP mean, as Megatron's
 ``average_losses_across_data_parallel_group``. When nothing but the norm is needed (no log or
-TensorBoard line due, no exit flags) only the norm partial is reduced, over the optimizer's
+TensorBoard line due, no exit flags, no checkpoint being written) only the norm partial is reduced, over the optimizer's
 ``norm_group``; at ZeRO 0 with TP = PP = 1 that group has one rank and no collective runs.
 """
 
@@ -41,6 +42,7 @@ class Agreed:
     loss_not_finite: bool | None = None
     signalled: bool = False
     timed_out: bool = False
+    writing: bool = False  # some rank's --async-save write is still in flight
 
 
 class IterationAgreement:
@@ -53,9 +55,10 @@ class IterationAgreement:
         self.interval_loss = torch.zeros(1, dtype=torch.float32, device=device)
         self.device = device
 
-    def agree(self, loss: torch.Tensor | None, *, with_loss: bool, flags: tuple[bool, bool] | None,
+    def agree(self, loss: torch.Tensor | None, *, with_loss: bool, flags: tuple[bool, bool, bool] | None,
               count_zeros: bool = False) -> Agreed:
-        """After the schedule: one all-reduce and one host read (see the module docstring)."""
+        """After the schedule: one all-reduce and one host read (see the module docstring);
+        ``flags``: this rank's (exit signal, exit duration, writing), slots +4 to +6."""
         opt = self.optimizer
         packed = with_loss or flags is not None
         part = opt.grad_partials(over_world=packed or opt.norm_group == "world", count_zeros=count_zeros)
@@ -64,7 +67,7 @@ class IterationAgreement:
             vals = opt.host.read(part)
             return Agreed(vals[0], vals[1] if count_zeros else None)
         k = part.numel()
-        vec = torch.zeros(k + 6, dtype=torch.float32, device=self.device)  # filled on the device: no sync
+        vec = torch.zeros(k + 7, dtype=torch.float32, device=self.device)  # filled on the device: no sync
         vec[:k].copy_(part)
         if self.holds_loss and loss is not None:
             mine = loss.detach().float().reshape(1)
@@ -72,7 +75,7 @@ class IterationAgreement:
             vec[k + 1:k + 2].copy_(mine)
             vec[k + 2].fill_(1.0)
             vec[k + 3:k + 4].copy_((~torch.isfinite(mine)).float())
-        for slot, on in zip((k + 4, k + 5), flags or (False, False)):
+        for slot, on in zip((k + 4, k + 5, k + 6), flags or (False, False, False)):
             if on:
                 vec[slot].fill_(1.0)
         opt.comm.all_reduce(vec, "world", async_op=False)
@@ -80,7 +83,7 @@ class IterationAgreement:
         holders = max(vals[k + 2], 1.0)
         return Agreed(vals[0], vals[1] if count_zeros else None, loss_before=vals[k] / holders,
                       loss=vals[k + 1] / holders, loss_not_finite=vals[k + 3] > 0,
-                      signalled=vals[k + 4] > 0, timed_out=vals[k + 5] > 0)
+                      signalled=vals[k + 4] > 0, timed_out=vals[k + 5] > 0, writing=vals[k + 6] > 0)
 
     def add_applied(self, loss: torch.Tensor | None) -> None:
         """After an applied step: its loss joins the interval's device-side sum (no host read)."""

@@ -62,12 +62,19 @@ class TrainerCheckpoints:
 
     def finish_save(self) -> None:
         """Wait for the background checkpoint (if any) and publish it (collective); a failed write
-        on any rank raises :class:`CheckpointError` here."""
+        on any rank raises :class:`CheckpointError` here. The loop calls it after the first
+        iteration whose packed agreement (:mod:`.agree`, slot +6) says no rank is still writing,
+        so a checkpoint is published within an iteration of its last file being written, not at
+        the next save (Megatron-LM's ``train`` calls ``maybe_finalize_async_save(blocking=False)``
+        every iteration, megatron/training/training.py @d98e8a64, its "not done" flags all-reduced
+        in megatron/core/dist_checkpointing/strategies/async_utils.py)."""
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             path = pending.finish()
+            self.publications.append((pending.iteration, self.iteration))
             print_rank(self.rank, 0, f"saved checkpoint at iteration {pending.iteration:7d} to {path} "
-                                      f"({time.time() - pending.started:.2f} s after it started)")
+                                      f"({time.time() - pending.started:.2f} s after it started; "
+                                      f"published after iteration {self.iteration})")
 
     def load(self) -> None:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.

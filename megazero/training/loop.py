@@ -49,6 +49,7 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         self.history: list[tuple[int, float]] = []  # (iteration, logged lm loss) on the last rank
         self.first_iteration = 0  # where this process started (set again by train())
         self.pending_save = None  # --async-save: the checkpoint still being written
+        self.publications: list[tuple[int, int]] = []  # (checkpoint's iteration, published after iteration)
         self.exit_signal = None  # set by train()
         self.last_agreed = None  # the last iteration's agreed scalars (Agreed)
         self.batches = BatchSchedule.from_args(args, topo.dp)  # global batch size by consumed samples
@@ -90,20 +91,22 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         if trace is not None:
             write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
         loss = self._local_loss(losses)
-        agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._exit_flags(),
+        agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._flags(),
                                       count_zeros=with_loss and bool(getattr(args, "log_num_zeros_in_grad", False)))
         ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler, args))
         return loss, ok, grad_norm, agreed
 
-    def _exit_flags(self) -> tuple[bool, bool] | None:
-        """This rank's (exit signal received, ``--exit-duration-in-mins`` passed), or None when
-        neither can stop the run (no per-iteration agreement needed)."""
+    def _flags(self) -> tuple[bool, bool, bool] | None:
+        """This rank's (exit signal received, ``--exit-duration-in-mins`` passed, its
+        ``--async-save`` write still in flight), or None when none of them can be on (no
+        per-iteration agreement needed)."""
         args = self.args
-        if self.exit_signal is None and args.exit_duration_in_mins is None:
+        if self.exit_signal is None and args.exit_duration_in_mins is None and self.pending_save is None:
             return None
         minutes = (time.time() - self.start_time) / 60.0
         return (self.exit_signal is not None and self.exit_signal.received,
-                args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins)
+                args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins,
+                self.pending_save is not None and not self.pending_save.done())
 
     def _local_loss(self, losses) -> torch.Tensor | None:
         """This rank's mean micro-batch loss of one step (last stage only; no communication)."""
@@ -134,6 +137,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
                 m_prev = m
                 mbs = source.next_batch(m, read_ahead=batches.num_micro_batches(self.consumed_samples + b))
                 log_start = self._iteration(mbs, b, log_start)
+                if self.pending_save is not None and not self.last_agreed.writing:
+                    self.finish_save()  # every rank's file is written: publish now (Megatron's maybe_finalize_async_save)
                 if self._save_or_exit(self.last_agreed):
                     self.finish_save()
                     return

@@ -12,6 +12,7 @@ import torch
 from megazero.checkpoint import files as ckpt
 from megazero.checkpoint import schema
 from megazero.checkpoint.async_writer import AsyncWriter
+from megazero.arguments import parse_args
 from megazero.testing import run_distributed
 from tests.test_training import MOCK, TINY, layout_flags, train
 
@@ -148,3 +149,44 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def _agree_writing(rank, world_size, writing):
+    from megazero.parallel.topology import Topology
+    from megazero.training.agree import IterationAgreement
+    from megazero.zero import ZeroOptimizer
+    topo = Topology(world_size, rank).create_groups()
+    opt = ZeroOptimizer(torch.nn.Linear(2, 2), topo, stage=1, lr=1e-3)
+    agreement = IterationAgreement(topo, torch.device("cpu"), opt)
+    return [agreement.agree(None, with_loss=False, flags=(False, False, w)).writing for w in writing[rank]]
+
+
+def test_the_packed_agreement_says_whether_any_rank_is_still_writing():
+    """Slot +6 of the iteration's one all-reduce: True on every rank while any rank's write is in flight."""
+    writing = [[True, False, False], [False, True, False]]
+    assert run_distributed(_agree_writing, 2, writing) == [[True, True, False]] * 2
+
+
+def _publications(rank, world_size, argv):
+    from megazero.training import setup
+    args = parse_args(argv, world_size=world_size)
+    trainer = setup(args)
+    trainer.args = args.replace(train_iters=6)
+    trainer.train(None)  # saves at 6 when it ends: the writer has started (torch imported) by then
+    trainer.args = args
+    trainer.train(None)
+    return trainer.publications
+
+
+def test_async_checkpoint_is_published_once_written_not_at_the_next_save(tmp_path):
+    """Megatron's maybe_finalize_async_save(blocking=False) every iteration: a checkpoint whose
+    files are written is published (renamed, pointer moved) after the first iteration whose packed
+    agreement finds no rank writing -- milliseconds for this model's files once the writer runs,
+    against iterations of tens of milliseconds: well before the next save, 12 iterations later
+    (before this change it was published only then)."""
+    argv = FLAGS[:-4] + ["--train-iters", "24", "--save-interval", "12", "--async-save", "--save", str(tmp_path / "ck")] \
+        + layout_flags(1, 1, None, 1)
+    for published in run_distributed(_publications, 2, argv, timeout_s=240):
+        (six, at_six), (twelve, after), (last, at_end) = published
+        assert (six, at_six, twelve, last, at_end) == (6, 6, 12, 24, 24), published
+        assert 12 < after < 24, published
