@@ -1,8 +1,9 @@
 """--async-save: the rank's long-lived writer process (megazero/checkpoint/async_writer.py) writes
 the bytes a synchronous save writes, from a shared buffer allocated once and reused (reallocated
-when the state's shape changes); the pointer moves only in finish(); a failed snapshot or write
-and a killed writer are reported on every rank naming the rank file; a resumed run is the same
-bit for bit from an asynchronous checkpoint as from a synchronous one."""
+when the state's shape changes); the pointer moves only in finish(), which the training loop calls
+once the iteration's packed agreement finds no rank still writing; a failed snapshot or write and a
+killed writer are reported on every rank naming the rank file; a resumed run is the same bit for
+bit from an asynchronous checkpoint as from a synchronous one."""
 
 import os
 import signal
