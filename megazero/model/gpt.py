@@ -125,7 +125,7 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
-        return self.final_norm if self.pre_process and self.post_process else None
+        return None
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
         """Consecutive layers and whether each run is recomputed (full granularity)."""

@@ -19,8 +19,9 @@ slot    this rank's contribution                                                
 
 The loss slots are divided by slot +2 (the DP size) on the host: the DP mean, as Megatron's
 ``average_losses_across_data_parallel_group``. When nothing but the norm is needed (no log or
-TensorBoard line due, no exit flags, no checkpoint being written) only the norm partial is reduced, over the optimizer's
-``norm_group``; at ZeRO 0 with TP = PP = 1 that group has one rank and no collective runs.
+TensorBoard line due, no exit flags, no checkpoint being written) only the norm partial is
+reduced, over the optimizer's ``norm_group``; at ZeRO 0 with TP = PP = 1 that group has one rank
+and no collective runs.
 """
 
 from __future__ import annotations

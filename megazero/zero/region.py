@@ -161,7 +161,7 @@ class Region:
     @property
     def grad_bytes(self) -> int:
         """Bytes per gradient element."""
-        return torch.empty((), dtype=self.grad_dtype).element_size()
+        return self.grad_dtype.itemsize
 
     def flush(self, async_op: bool = True) -> Pending:
         """Reduce what has accumulated: stage 0 all-reduce (2L) else reduce-scatter (L) over DP."""

@@ -137,8 +137,7 @@ class ParamGatherer:
         peak). Nothing is gathered more often: the count of all-gathers stays 2 per micro-batch."""
         def on_grad(grad):
             unit.ended += 1
-            unit.in_bwd = max(0, unit.in_bwd - 1)
-            self._maybe_release(unit, self._distance(unit, after_forward=False))
+            self._end_backward(unit)
 
         def hook(module, args):
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor) \
@@ -159,6 +158,10 @@ class ParamGatherer:
         if unit.ended:  # its backward's reads ended earlier (_end_of_reads) and were counted there
             unit.ended -= 1
             return
+        self._end_backward(unit)
+
+    def _end_backward(self, unit) -> None:
+        """One backward of ``unit`` no longer reads its parameters: release unless reused soon."""
         unit.in_bwd = max(0, unit.in_bwd - 1)
         self._maybe_release(unit, self._distance(unit, after_forward=False))
 

@@ -10,10 +10,10 @@ import signal
 
 import torch
 
+from megazero.arguments import parse_args
 from megazero.checkpoint import files as ckpt
 from megazero.checkpoint import schema
 from megazero.checkpoint.async_writer import AsyncWriter
-from megazero.arguments import parse_args
 from megazero.testing import run_distributed
 from tests.test_training import MOCK, TINY, layout_flags, train
 
