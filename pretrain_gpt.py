@@ -23,7 +23,7 @@ def model_provider(model_config, topo, micro_batch_size, device=None):
 
 
 def main(argv=None) -> int:
-    from megazero.checkpoint.guard import check_free_space  # room for one checkpoint at --save (the planner's size)
+    from megazero.config.path_checks import check_free_space  # room for one checkpoint at --save
     args = parse_args(argv, prog="pretrain_gpt.py", training=True, checks=(check_free_space,))
     from megazero.model.stages import gpt_forward_step  # loss = sum(loss * loss_mask) / sum(loss_mask)
     from megazero.training import pretrain

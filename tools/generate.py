@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megazero.checkpoint import CheckpointError  # noqa: E402
-from megazero.failures import debug_requested, describe  # noqa: E402
+from megazero.config.failures import debug_requested, describe  # noqa: E402
 from megazero.model import GPTConfig, GPTModel  # noqa: E402
 from megazero.model.generation import generate  # noqa: E402
 

@@ -40,7 +40,7 @@ except ImportError:  # run from a checkout without installing
 
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from megazero.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megazero.failures import debug_requested, describe  # noqa: E402
+from megazero.config.failures import debug_requested, describe  # noqa: E402
 
 BATCH_LINES = 64
 

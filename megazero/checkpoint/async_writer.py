@@ -240,7 +240,7 @@ class AsyncWriter:
 def _write(mapped, sizes: list[int], path: str, payload: bytes, specs: list) -> tuple[str, object]:
     """The writer's work for one save (see the module docstring); returns its reply."""
     from megazero.checkpoint.guard import space_hint
-    from megazero.failures import describe
+    from megazero.config.failures import describe
 
     partial = path + ".partial"
     try:

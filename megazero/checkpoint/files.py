@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.async_writer import AsyncWriter, WriterDied
 from megazero.checkpoint.guard import space_hint
-from megazero.failures import describe
+from megazero.config.failures import describe
 from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
                                         rank_file)
 
@@ -170,6 +170,13 @@ def read_metadata(root: str, iteration: int) -> dict:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt: {e}") from None
+
+
+def latest_saved_args(root: str) -> dict | None:
+    """The arguments the latest checkpoint under ``root`` recorded (Megatron's names), or None
+    when there is no checkpoint there yet."""
+    iteration = latest_iteration(root)
+    return None if iteration is None else read_metadata(root, iteration).get("args", {})
 
 
 def check_layout(saved: dict, current: dict, path: str) -> None:

@@ -13,9 +13,9 @@
   for :data:`STALE_S` seconds (a dead host), or it was written by an earlier attempt of the same
   SLURM job (a requeue, possibly on another node). The same process may claim its own lock again.
 * The file system of ``--save`` must have room for one checkpoint, ``(p + 12) Φ`` bytes
-  (:func:`checkpoint_bytes`), checked with the flags (``pretrain_gpt.py`` passes
-  :func:`check_free_space` to ``parse_args``), so a run does not train for hours to fail at its
-  first save.
+  (:func:`megazero.config.path_checks.checkpoint_bytes`), checked with the flags
+  (``pretrain_gpt.py`` passes :func:`megazero.config.path_checks.check_free_space` to
+  ``parse_args``), so a run does not train for hours to fail at its first save.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import threading
 import time
 
 from megazero.checkpoint.schema import CheckpointError, latest_file
-from megazero.model.config import GPTConfig
-from megazero.planner import total_params
 
 LOCK_NAME = "megazero.lock"
 REFRESH_S = 30.0
@@ -49,32 +47,6 @@ def check_writable(save: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {save} is not writable ({e.strerror or e}): nothing would be saved") from None
-
-
-def checkpoint_bytes(args) -> tuple[int, int]:
-    """``(bytes, Φ)`` of one checkpoint, ``(p + 12) Φ`` bytes: the weights once in the parameter
-    dtype (p = 2 with --fp16/--bf16, else 4) plus the fp32 master weights and Adam moments (12),
-    whatever the layout (docs/checkpoints.md, "Written once"; measured 14.3 Φ in bf16, 16.3 Φ in
-    fp32 on a 0.17M-parameter GPT, the rest being the index and RNG states); ``p Φ`` with
-    ``--no-save-optim``. Φ is the planner's :func:`~megazero.planner.total_params`; an unknown
-    vocabulary (read from the tokenizer later) counts as 1 token: the estimate is then a lower bound."""
-    phi = total_params(GPTConfig.from_args(args, vocab_size=args.vocab_size or 1))
-    p = 2 if args.fp16 or args.bf16 else 4
-    return (p + (0 if args.no_save_optim else 12)) * phi, phi
-
-
-def check_free_space(err, args) -> None:
-    """``err`` when the file system of ``--save`` (or its nearest existing parent) has less free
-    space than one checkpoint (:func:`checkpoint_bytes`)."""
-    if not args.save:
-        return
-    path = os.path.realpath(args.save)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    (need, phi), free = checkpoint_bytes(args), shutil.disk_usage(path).free
-    if free < need:
-        err(f"--save {args.save}: no space left on device for one checkpoint: {free / 2 ** 30:.2f} GiB free on "
-            f"{path}, a checkpoint needs about {need / 2 ** 30:.2f} GiB ({need // phi} bytes x {phi:,} parameters)")
 
 
 def space_hint(path: str, min_free: int = 64 << 20) -> str:

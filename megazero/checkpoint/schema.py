@@ -120,30 +120,9 @@ def layout(world_size: int, tp: int, pp: int, vp: int | None, dp: int, zero_stag
             "params_dtype": _dtype_name(params_dtype)}
 
 
-def layout_of(args) -> dict:
-    """:func:`layout` from Megatron-named arguments."""
-    return layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.virtual_pipeline_model_parallel_size, args.data_parallel_size, args.zero_stage,
-                  args.params_dtype)
-
-
 def layout_diffs(saved: dict, current: dict) -> list[str]:
     """``"key saved X vs now Y"`` for every layout key that differs."""
     return [f"{k} saved {saved.get(k)} vs now {current.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != current.get(k)]
-
-
-def jsonable_args(args) -> dict:
-    """The JSON-representable arguments of a namespace, sorted (dtypes by name; private names and
-    other values dropped)."""
-    out = {}
-    for key, value in sorted(vars(args).items()):
-        if key.startswith("_"):
-            continue
-        if isinstance(value, torch.dtype):
-            value = _dtype_name(value)
-        if value is None or isinstance(value, (bool, int, float, str, list)):
-            out[key] = value
-    return out
 
 
 def metadata(iteration: int, consumed_samples: int, layout: dict, args: dict, index: dict, **extra) -> dict:

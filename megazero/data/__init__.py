@@ -10,12 +10,12 @@ from megazero.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder
 from megazero.data.samplers import PretrainingSampler, build_pretraining_data_loader, collate
 from megazero.data.tokenizers import (TOKENIZER_TYPES, GPT2BPETokenizer, GPTSentencePieceTokenizer,
                                       HuggingFaceTokenizer, Llama2Tokenizer, NullTokenizer,
-                                      SentencePieceTokenizer, build_tokenizer)
+                                      SentencePieceTokenizer, TokenizerConfig, build_tokenizer)
 
 __all__ = [
     "BlendedDataset", "GPTDataset", "build_train_valid_test_datasets", "parse_data_path",
     "IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError",
     "PretrainingSampler", "build_pretraining_data_loader", "collate",
     "GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer", "HuggingFaceTokenizer", "TOKENIZER_TYPES", "build_tokenizer",
+    "Llama2Tokenizer", "HuggingFaceTokenizer", "TOKENIZER_TYPES", "TokenizerConfig", "build_tokenizer",
 ]

@@ -27,6 +27,7 @@ and ``detokenize(ids) -> str``.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from megazero.data.hf_tokenizer import HuggingFaceTokenizer
 from megazero.data.sp_tokenizers import (GPTSentencePieceTokenizer, Llama2Tokenizer,
@@ -34,7 +35,7 @@ from megazero.data.sp_tokenizers import (GPTSentencePieceTokenizer, Llama2Tokeni
 
 __all__ = [
     "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
-    "GPT2BPETokenizer", "NullTokenizer", "build_tokenizer", "TOKENIZER_TYPES", "TOKENIZER_FLAGS",
+    "GPT2BPETokenizer", "NullTokenizer", "TokenizerConfig", "build_tokenizer", "TOKENIZER_TYPES", "TOKENIZER_FLAGS",
     "saved_tokenizer_flags", "bytes_to_unicode", "GPT2_PATTERN",
 ]
 
@@ -185,17 +186,37 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(args):
-    """Build the tokenizer named by ``args.tokenizer_type`` from Megatron's flags.
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Which tokenizer, from which files (Megatron's flags; :data:`TOKENIZER_FLAGS` by dest name)."""
 
-    Reads ``tokenizer_model`` (the sentencepiece types: a ``.model``; HuggingFaceTokenizer: a
-    folder or ``tokenizer.json``), ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer),
-    ``vocab_size`` (NullTokenizer). Missing attributes count as unset.
-    """
-    kind = getattr(args, "tokenizer_type", None)
+    type: str | None = None
+    """``--tokenizer-type``: one of :data:`TOKENIZER_TYPES` (None: none named)."""
+    model: str | None = None
+    """``--tokenizer-model``: a sentencepiece ``.model``, or HuggingFaceTokenizer's folder / ``tokenizer.json``."""
+    vocab_file: str | None = None
+    """``--vocab-file`` (GPT2BPETokenizer)."""
+    merge_file: str | None = None
+    """``--merge-file`` (GPT2BPETokenizer)."""
+    vocab_size: int | None = None
+    """``--vocab-size`` (NullTokenizer)."""
 
-    def need(attr, flag):
-        value = getattr(args, attr, None)
+    @classmethod
+    def from_flags(cls, flags: dict) -> "TokenizerConfig":
+        """From Megatron-named values (``tokenizer_type``, ``tokenizer_model``, ...; absent = unset),
+        e.g. what a checkpoint recorded."""
+        return cls(type=flags.get("tokenizer_type"), model=flags.get("tokenizer_model"),
+                   vocab_file=flags.get("vocab_file"), merge_file=flags.get("merge_file"),
+                   vocab_size=flags.get("vocab_size"))
+
+
+def build_tokenizer(config: TokenizerConfig):
+    """Build the tokenizer ``config`` names: the sentencepiece types and HuggingFaceTokenizer
+    read ``model``, GPT2BPETokenizer ``vocab_file`` and ``merge_file``, NullTokenizer
+    ``vocab_size``. A missing one is named by its flag."""
+    kind = config.type
+
+    def need(value, flag):
         if value is None:
             raise ValueError(f"--tokenizer-type {kind} needs {flag}")
         return value
@@ -204,12 +225,11 @@ def build_tokenizer(args):
                      "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
                      "HuggingFaceTokenizer": HuggingFaceTokenizer}
     if kind in sentencepiece:
-        return sentencepiece[kind](need("tokenizer_model", "--tokenizer-model"))
+        return sentencepiece[kind](need(config.model, "--tokenizer-model"))
     if kind == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(need("vocab_file", "--vocab-file"),
-                                need("merge_file", "--merge-file"))
+        return GPT2BPETokenizer(need(config.vocab_file, "--vocab-file"), need(config.merge_file, "--merge-file"))
     if kind == "NullTokenizer":
-        return NullTokenizer(need("vocab_size", "--vocab-size"))
+        return NullTokenizer(need(config.vocab_size, "--vocab-size"))
     raise ValueError(f"unknown --tokenizer-type {kind!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 
 

@@ -7,13 +7,13 @@ The rules that derive one size from others live here and nowhere else:
 * vocabulary padding (:func:`pad_vocab_size`): ``V`` rounded up to a multiple of
   ``make_vocab_size_divisible_by * TP``, so every TP shard of the vocabulary is equal;
 * the model's arguments as Megatron names them (:data:`ARG_KEYS`, :meth:`GPTConfig.to_args`,
-  :meth:`GPTConfig.from_args`): what a checkpoint records and what a load checks (:data:`SHAPE_KEYS`).
+  :meth:`GPTConfig.from_megatron`): what a checkpoint records and what a load checks (:data:`SHAPE_KEYS`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from types import SimpleNamespace
+from typing import Mapping
 
 import torch
 
@@ -25,6 +25,12 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std",
             "seed", "params_dtype", "apply_layernorm_1p")
+# The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
+_FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
+                  "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+                  "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "add_bias_linear",
+                  "untie_embeddings_and_output_weights", "attention_dropout", "hidden_dropout", "init_method_std",
+                  "seed", "params_dtype", "recompute_granularity", "recompute_method", "recompute_num_layers")
 # The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -45,7 +51,7 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Everything the GPT needs; ``from_args`` maps Megatron's flags onto it.
+    """Everything the GPT needs; ``from_megatron`` maps Megatron-named values onto it.
 
     ``vocab_size`` is the real vocabulary; ``padded_vocab_size`` (optional) the padded one. When
     it is None the model pads to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's
@@ -141,45 +147,34 @@ class GPTConfig:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by TP {tp}")
 
     @classmethod
-    def from_args(cls, args, vocab_size: int | None = None, padded_vocab_size: int | None = None) -> "GPTConfig":
-        """From Megatron-named arguments (a parsed ``argparse.Namespace``, or a checkpoint's saved
-        dict via :meth:`from_saved_args`). ``vocab_size``: the tokenizer's (default
-        ``args.vocab_size``); ``padded_vocab_size``: None pads per TP by the rule above."""
-        vocab = vocab_size if vocab_size is not None else getattr(args, "vocab_size", None)
+    def from_megatron(cls, values: Mapping, vocab_size: int | None = None,
+                      padded_vocab_size: int | None = None) -> "GPTConfig":
+        """From values under Megatron's argument names (:data:`ARG_KEYS` and the dropout, SP and
+        recompute settings): the validated flags (``megazero.config.model.gpt_config``) or a
+        checkpoint's saved arguments (:meth:`from_saved_args`). A name that is absent or None
+        takes the field's default. ``vocab_size``: the tokenizer's (default ``values["vocab_size"]``);
+        ``padded_vocab_size``: None pads per TP by the rule above."""
+        given = {k: v for k, v in values.items() if v is not None}
+        vocab = vocab_size if vocab_size is not None else given.get("vocab_size")
         if vocab is None:
             raise ValueError("the vocabulary size is unknown (no tokenizer and no --vocab-size)")
-        activation = "swiglu" if args.swiglu else ("gelu_tanh" if getattr(args, "openai_gelu", False) else "gelu")
-        return cls(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            vocab_size=vocab, padded_vocab_size=padded_vocab_size,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, ffn_hidden_size=args.ffn_hidden_size,
-            num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, seq_length=args.seq_length,
-            max_position_embeddings=args.max_position_embeddings,
-            position_embedding_type=args.position_embedding_type, rotary_base=float(args.rotary_base),
-            normalization=args.normalization, norm_epsilon=args.norm_epsilon,
-            apply_layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
-            activation=activation, add_bias_linear=args.add_bias_linear,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            attention_dropout=getattr(args, "attention_dropout", 0.1),
-            hidden_dropout=getattr(args, "hidden_dropout", 0.1),
-            init_method_std=args.init_method_std, seed=args.seed,
-            params_dtype=getattr(args, "params_dtype", None) or torch.float32,
-            sequence_parallel=getattr(args, "sequence_parallel", False),
-            recompute_granularity=getattr(args, "recompute_granularity", None),
-            recompute_method=getattr(args, "recompute_method", None),
-            recompute_num_layers=getattr(args, "recompute_num_layers", None),
-        )
+        activation = "swiglu" if given.get("swiglu") else ("gelu_tanh" if given.get("openai_gelu") else "gelu")
+        kwargs = {name: given[name] for name in _FROM_MEGATRON if name in given}
+        if "rotary_base" in kwargs:
+            kwargs["rotary_base"] = float(kwargs["rotary_base"])
+        return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
+                   apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
+                   sequence_parallel=bool(given.get("sequence_parallel", False)), **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":
         """The model a checkpoint's saved arguments describe (``padded_vocab_size`` left None:
-        re-padded for the loading TP); ``overrides`` replace fields afterwards."""
+        re-padded for the loading TP); ``overrides`` replace fields afterwards. Dropout, SP and
+        recompute are not read from it (a run's, not the weights')."""
         a = {k: saved.get(k) for k in ARG_KEYS}
         a["params_dtype"] = getattr(torch, a.get("params_dtype") or "float32")
-        a["rotary_base"] = a["rotary_base"] if a["rotary_base"] is not None else 10000.0
-        a["norm_epsilon"] = a["norm_epsilon"] if a["norm_epsilon"] is not None else 1e-5
         a["openai_gelu"] = bool(saved.get("openai_gelu", False))
-        config = cls.from_args(SimpleNamespace(**a))
+        config = cls.from_megatron(a)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:

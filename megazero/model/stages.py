@@ -44,6 +44,19 @@ class ModelStages:
       device (a ZeRO-3 run, :func:`provider_options`), ``param_init(param)`` is the parameter's
       initial value (fp32, CPU, its TP-local shape), which ZeRO materializes region by region
       (stage 3: unit by unit, straight into this rank's shard).
+
+    The model's glue with the training loop (none of it needed by a model that has no use for it):
+
+    * ``forward_step(chunk, micro_batch, input_tensor)``: the model's own forward step (the
+      output for the next stage; on the last a scalar loss); None: the caller gives one.
+    * ``input_keys(per_document)``: the micro-batch entries this rank's chunks read when run by
+      ``forward_step``, given the entries the data makes per document (``attention_mask`` with
+      ``--reset-attention-mask``, ``position_ids`` with ``--reset-position-ids``); None: every entry.
+    * ``decoupled_lr_params``: the parameters on ``--decoupled-lr`` (Megatron's embedding and
+      output layer).
+    * ``fuse_vocab_grads(add_weight_grad, add_embedding_grad)``: makes the vocabulary matrices
+      accumulate their weight gradients through the optimizer's two callbacks (straight into its
+      fp32 flat gradient); None: nothing to fuse.
     """
 
     chunks: list[nn.Module]
@@ -54,21 +67,23 @@ class ModelStages:
     rng_states: list = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     param_init: Callable[[nn.Parameter], torch.Tensor] | None = None
+    forward_step: "ForwardStep | None" = None
+    input_keys: Callable[[frozenset], frozenset] | None = None
+    decoupled_lr_params: list[nn.Parameter] = field(default_factory=list)
+    fuse_vocab_grads: Callable[[Callable, Callable], None] | None = None
 
 
 ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
 
 
-def provider_options(provider, zero_stage: int) -> dict:
+def provider_options(provider) -> dict:
     """``{"device": "meta"}`` for a ``model_provider`` that takes a ``device`` keyword (it then
     builds on the meta device and returns ``param_init``); ``{}`` otherwise, so a provider
     without the keyword builds as before. Optional provider arguments are detected by
     signature, as Megatron does for its ``vp_stage``. Every ZeRO stage builds on the meta device:
     the optimizer's regions materialize the parameters one at a time, bit-equal to an eager
     build (``tests/zero/test_meta_build.py``), so no rank holds a second copy of its model while
-    building; the layers compute their TP-local shapes by arithmetic (``TPSplit.local_shape``).
-    ``zero_stage`` is kept for providers' callers (every stage gives the same answer)."""
-    del zero_stage
+    building; the layers compute their TP-local shapes by arithmetic (``TPSplit.local_shape``)."""
     if "device" in inspect.signature(provider).parameters:
         return {"device": "meta"}
     return {}
@@ -116,7 +131,63 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
                        shared_params=shared_embedding_params(chunks, topo),
                        tp_duplicated_params=tp_duplicated_params(chunks, topo.tp),
                        rng_states=[chunk.rng for chunk in chunks], aliases=aliases,
-                       param_init=param_initializer(chunks) if meta else None)
+                       param_init=param_initializer(chunks) if meta else None,
+                       forward_step=gpt_forward_step,
+                       input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
+                       decoupled_lr_params=embedding_and_output_params(chunks),
+                       fuse_vocab_grads=VocabGradFusion(chunks))
+
+
+@dataclass(frozen=True)
+class GPTInputKeys:
+    """The micro-batch entries a GPT pipeline rank reads (``gpt_forward_step``):
+
+    * the first stage (virtual stage 0, the embedding): ``tokens``, ``position_ids``;
+    * the last stage (the loss): ``labels``, ``loss_mask``;
+    * every stage, middle ones included, the per-document entries every layer uses: the
+      ``attention_mask`` when it is made per document, and per-document ``position_ids`` when
+      the layers apply RoPE (otherwise positions are ``arange(s)``, which a chunk builds itself
+      when none is given).
+
+    A rank with both the first and the last virtual stage (PP = 1, or any VP on one rank) gets
+    the union. Megatron-LM core_v0.19.0 ``pretrain_gpt.py: get_batch`` returns nothing on a rank
+    that is neither first nor last (``is_first_or_last_pipeline_stage``) unless the layers need
+    per-document metadata (``has_cu_seqlens``), and ``megatron/core/utils.py:
+    get_batch_on_this_tp_rank`` gives the first stage ``tokens``, ``position_ids``, the last
+    ``labels``, ``loss_mask`` (both the attention mask when it is made in the data loader)."""
+
+    first_stage: bool
+    last_stage: bool
+    rope: bool
+
+    def __call__(self, per_document: frozenset) -> frozenset:
+        keys = {"attention_mask"} & per_document
+        if self.rope:
+            keys |= {"position_ids"} & per_document
+        if self.first_stage:
+            keys |= {"tokens", "position_ids"}
+        if self.last_stage:
+            keys |= {"labels", "loss_mask"}
+        return frozenset(keys)
+
+
+@dataclass(frozen=True)
+class VocabGradFusion:
+    """Gradient accumulation fusion of the GPT's vocabulary matrices (Megatron's
+    ``--gradient-accumulation-fusion``, on by default there): each chunk's output layer adds its
+    weight gradient ``G^T X``, and the word embedding its rows ``dW[ids] += G``, in fp32 straight
+    into the optimizer's flat gradient (:mod:`megazero.tensor_parallel.wgrad_fusion`), so the
+    vocabulary matrix (V x h, the largest weight, tied or not) never has a gradient of its size
+    outside that buffer (docs/benchmarks.md, "Memory")."""
+
+    chunks: list
+
+    def __call__(self, add_weight_grad: Callable, add_embedding_grad: Callable) -> None:
+        for chunk in self.chunks:
+            if chunk.post_process:
+                chunk.output_layer.accumulate_weight_grad_into(add_weight_grad)
+            if chunk.pre_process:
+                chunk.embedding.word_embeddings.accumulate_weight_grad_into(add_embedding_grad)
 
 
 def embedding_and_output_params(chunks) -> list:
@@ -125,12 +196,10 @@ def embedding_and_output_params(chunks) -> list:
     tied copy of a multi-stage model); not the position embeddings."""
     out = []
     for chunk in chunks:
-        embedding = getattr(chunk, "embedding", None)
-        if getattr(chunk, "pre_process", False) and embedding is not None:
-            out.append(embedding.word_embeddings.weight)
-        head = getattr(chunk, "output_layer", None)
-        if getattr(chunk, "post_process", False) and head is not None and head.weight is not None:
-            out.append(head.weight)
+        if chunk.pre_process:
+            out.append(chunk.embedding.word_embeddings.weight)
+        if chunk.post_process and chunk.output_layer.weight is not None:
+            out.append(chunk.output_layer.weight)
     return out
 
 

@@ -85,8 +85,12 @@ def detect_launch(env=os.environ) -> LaunchEnv:
 
 
 def current_rank(env=os.environ) -> int:
-    """This process's global rank: the process group's if started, else the launcher's."""
-    return dist.get_rank() if dist.is_initialized() else detect_launch(env).rank
+    """This process's global rank: the process group's if started, else the launcher's
+    (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``; 0 in a single process). The one place that
+    reads it before ``init_process_group`` (rank-0-only start-up lines, the checkpoint guard)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
 
 
 def threads_per_rank(local_world_size: int, cores: int | None = None, env=os.environ) -> int:

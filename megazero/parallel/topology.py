@@ -1,17 +1,21 @@
 """The rank grid and every process group of a 3D-parallel run.
 
-Ranks are laid out in Megatron-LM's order: tensor-parallel fastest, then data-parallel, then
-pipeline-parallel::
+Ranks are laid out in Megatron-LM's order tp-cp-ep-dp-pp: tensor-parallel fastest, then
+context-parallel, then data-parallel, then pipeline-parallel::
 
-    rank = tp_rank + TP * dp_rank + TP * DP * pp_rank
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
-so ``grid = arange(world).view(PP, DP, TP)`` and a rank's coordinates are its index in that
-grid. Groups are slices of the grid:
+so ``grid = arange(world).view(PP, DP, CP, TP)`` and a rank's coordinates are its index in that
+grid. Expert parallelism is carved out of the ``DP x CP`` ranks of a stage (as Megatron's expert
+grid): ``EP`` divides ``DP x CP``, and a rank's ``ep_rank`` is its ``DP x CP`` index modulo ``EP``.
+Groups are slices of the grid:
 
-* ``tp``             -- ``grid[pp, dp, :]``  (the TP peers: consecutive ranks, same node)
-* ``dp``             -- ``grid[pp, :, tp]``  (replicas of the same model shard)
-* ``pp``             -- ``grid[:, dp, tp]``  (the stages of one pipeline)
-* ``model_parallel`` -- ``grid[:, dp, :]``   (everything holding one model replica)
+* ``tp``             -- ``grid[pp, dp, cp, :]``  (the TP peers: consecutive ranks, same node)
+* ``cp``             -- ``grid[pp, dp, :, tp]``  (one sequence's chunks; only created when CP > 1)
+* ``dp``             -- ``grid[pp, :, cp, tp]``  (replicas of the same model shard)
+* ``pp``             -- ``grid[:, dp, cp, tp]``  (the stages of one pipeline)
+* ``model_parallel`` -- ``grid[:, dp, cp, :]``   (everything holding one model replica)
+* ``ep``             -- consecutive runs of ``EP`` in ``grid[pp, :, :, tp]`` (only created when EP > 1)
 * ``embedding``      -- first and last stage of each pipeline (tied word embeddings)
 * ``position_embedding`` -- the first stage of each pipeline
 
@@ -35,26 +39,34 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding")
+GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "ep")
 
 
-def layout(world_size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
-    """Return every group kind's rank lists for ``world_size`` ranks (no process groups).
+def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Return every group kind's rank lists for ``world_size`` ranks (no process groups); the
+    ``cp`` and ``ep`` kinds only when that size is above 1.
 
-    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * pp``.
+    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * cp * pp`` or ``ep`` does
+    not divide ``dp * cp``.
     """
-    if tp < 1 or pp < 1 or world_size < 1:
-        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, PP {pp}")
-    if world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
-    grid = torch.arange(world_size).view(pp, dp, tp)
+    if min(tp, pp, cp, ep, world_size) < 1:
+        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, CP {cp}, EP {ep}, PP {pp}")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp}")
+    dp = world_size // (tp * cp * pp)
+    if (dp * cp) % ep:
+        raise ValueError(f"EP {ep} does not divide DP {dp} x CP {cp} = {dp * cp}")
+    grid = torch.arange(world_size).view(pp, dp, cp, tp)
     groups = {
         "tp": grid.reshape(-1, tp).tolist(),
-        "dp": grid.permute(0, 2, 1).reshape(-1, dp).tolist(),
-        "pp": grid.permute(1, 2, 0).reshape(-1, pp).tolist(),
-        "model_parallel": grid.permute(1, 0, 2).reshape(dp, -1).tolist(),
+        "dp": grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist(),
+        "pp": grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist(),
+        "model_parallel": grid.permute(1, 2, 0, 3).reshape(dp * cp, -1).tolist(),
     }
+    if cp > 1:
+        groups["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
+    if ep > 1:
+        groups["ep"] = grid.permute(0, 3, 1, 2).reshape(-1, ep).tolist()
     ends = sorted({0, pp - 1})
     groups["embedding"] = [[r[i] for i in ends] for r in groups["pp"]]
     groups["position_embedding"] = [[r[0]] for r in groups["pp"]]
@@ -74,17 +86,21 @@ class Topology:
     tp: int = 1
     pp: int = 1
     vp: int = 1
+    cp: int = 1
+    ep: int = 1
     groups: dict = field(default_factory=dict, repr=False)  # kind -> ProcessGroup of this rank
     rank_lists: dict = field(default_factory=dict, repr=False)  # kind -> this rank's group ranks
 
     def __post_init__(self) -> None:
-        all_groups = layout(self.world_size, self.tp, self.pp)
+        all_groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
-        self.dp = self.world_size // (self.tp * self.pp)
+        self.dp = self.world_size // (self.tp * self.cp * self.pp)
         self.tp_rank = self.rank % self.tp
-        self.dp_rank = (self.rank // self.tp) % self.dp
-        self.pp_rank = self.rank // (self.tp * self.dp)
+        self.cp_rank = (self.rank // self.tp) % self.cp
+        self.dp_rank = (self.rank // (self.tp * self.cp)) % self.dp
+        self.pp_rank = self.rank // (self.tp * self.cp * self.dp)
+        self.ep_rank = (self.dp_rank * self.cp + self.cp_rank) % self.ep
         for kind, lists in all_groups.items():
             mine = [ranks for ranks in lists if self.rank in ranks]
             self.rank_lists[kind] = mine[0] if mine else []
@@ -148,7 +164,7 @@ class Topology:
             raise RuntimeError("torch.distributed is not initialized")
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology world size {self.world_size} != process group world size {dist.get_world_size()}")
-        for kind, lists in layout(self.world_size, self.tp, self.pp).items():
+        for kind, lists in layout(self.world_size, self.tp, self.pp, self.cp, self.ep).items():
             seen = set()
             for ranks in lists:
                 key = tuple(ranks)
@@ -161,7 +177,9 @@ class Topology:
         return self
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp} dp {self.dp_rank}/{self.dp} "
+        extra = "".join(f" {k} {r}/{n}" for k, r, n in (("cp", self.cp_rank, self.cp), ("ep", self.ep_rank, self.ep))
+                        if n > 1)
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}{extra} dp {self.dp_rank}/{self.dp} "
                 f"pp {self.pp_rank}/{self.pp} vp {self.vp}")
 
 
@@ -171,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    args = parser.parse_args(argv)
+    cli = parser.parse_args(argv)
     try:
-        groups = layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        groups = layout(cli.world_size, cli.tensor_model_parallel_size, cli.pipeline_model_parallel_size)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     json.dump(groups, sys.stdout, indent=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from megazero.model.config import GPTConfig
+from megazero.config.model import gpt_config
 
 from . import GiB, Layout, plan, total_params
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are mutually exclusive")
     try:
-        shape = GPTConfig.from_args(args)
+        shape = gpt_config(args)
     except ValueError as e:
         parser.error(str(e))
     param_bytes = 2 if (args.fp16 or args.bf16) else 4

@@ -17,7 +17,7 @@ def print_rank(rank: int, target: int, text: str) -> None:
 
 
 class TrainerCheckpoints:
-    """Checkpoint methods of the Trainer (they read its ``args``, ``topo``, ``stages``,
+    """Checkpoint methods of the Trainer (they read its ``config``, ``topo``, ``stages``,
     ``optimizer``, ``scheduler``, ``model_config`` and counters, and set them on load)."""
 
     def save(self) -> None:
@@ -26,15 +26,15 @@ class TrainerCheckpoints:
         (docs/checkpoints.md). ``--async-save``: the state is copied into this rank's writer
         process's shared buffer and written there (:meth:`async_writer`) while training goes on;
         a new save (or the end of :meth:`train`) first finishes the previous one."""
-        args = self.args
+        ck = self.config.checkpoint
         self.finish_save()
         self.optimizer.wait_params()
         t0 = time.time()
-        pending = start_save(args.save, **self._rank_state_args(), iteration=self.iteration,
-                             consumed_samples=self.consumed_samples, layout=schema.layout_of(args),
-                             saved_args={**schema.jsonable_args(args), **self.model_config.to_args(self.topo.tp)},
-                             writer=self.async_writer() if args.async_save else None)
-        if args.async_save:  # every rank alike: finish() is collective, whatever this rank's snapshot did
+        pending = start_save(ck.save, **self._rank_state_args(), iteration=self.iteration,
+                             consumed_samples=self.consumed_samples, layout=self.layout_record(),
+                             saved_args={**self.config.flags, **self.model_config.to_args(self.topo.tp)},
+                             writer=self.async_writer() if ck.async_save else None)
+        if ck.async_save:  # every rank alike: finish() is collective, whatever this rank's snapshot did
             self.pending_save = pending
             print_rank(self.rank, 0, f"saving checkpoint at iteration {self.iteration:7d} to {pending.final} "
                                       f"in the background (snapshot {time.time() - t0:.2f} s)")
@@ -43,11 +43,16 @@ class TrainerCheckpoints:
         print_rank(self.rank, 0, f"saved checkpoint at iteration {self.iteration:7d} to {path} "
                                   f"in {time.time() - t0:.2f} s")
 
+    def layout_record(self) -> dict:
+        """This run's parallel layout as a checkpoint records it (:func:`schema.layout`)."""
+        par, opt = self.config.parallel, self.config.optimizer
+        return schema.layout(par.world_size, par.tp, par.pp, par.vp, par.dp, opt.stage, opt.params_dtype)
+
     def _rank_state_args(self) -> dict:
         """The keywords that say what this rank's checkpoint file holds."""
         return dict(topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                     scheduler_state=self.scheduler.state_dict(), counters={"skipped": self.skipped, "nans": self.nans},
-                    save_optim=not self.args.no_save_optim, save_rng=not self.args.no_save_rng)
+                    save_optim=self.config.checkpoint.save_optim, save_rng=self.config.checkpoint.save_rng)
 
     def prepare_async_save(self) -> None:
         """``--async-save``: start this rank's writer and fault in its snapshot buffer before the
@@ -80,14 +85,14 @@ class TrainerCheckpoints:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
         Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
         this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
-        args = self.args
+        ck = self.config.checkpoint
         self.optimizer.wait_params()
-        loaded = load_run(args.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                          layout=schema.layout_of(args), model_config=self.model_config, device=self.device,
-                          load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune)
+        loaded = load_run(ck.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                          layout=self.layout_record(), model_config=self.model_config, device=self.device,
+                          load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune)
         if loaded is None:
-            if args.exit_on_missing_checkpoint:
-                print_rank(self.rank, 0, f">> no checkpoint in --load {args.load} and --exit-on-missing-checkpoint "
+            if ck.exit_on_missing_checkpoint:
+                print_rank(self.rank, 0, f">> no checkpoint in --load {ck.load} and --exit-on-missing-checkpoint "
                                           "is set: exiting")
                 raise SystemExit(0)
             return

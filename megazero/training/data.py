@@ -1,7 +1,7 @@
 """The data a run trains on: the vocabulary size, the train/valid datasets, this rank's micro-batches.
 
 :class:`MicroBatchSource` is what the loop reads micro-batches from: only the entries this
-pipeline stage uses (:func:`stage_keys`, Megatron's ``get_batch``), read and pinned on a
+pipeline stage uses (``ModelStages.input_keys``, Megatron's ``get_batch``), read and pinned on a
 background thread while the previous step runs, in an order fixed by ``consumed_samples``.
 """
 
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megazero.config.configs import DataConfig, ScheduleConfig
 from megazero.parallel.topology import Topology
 
 
@@ -30,59 +31,33 @@ class MockGPTDataset:
         return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
 
 
-def per_split_paths(args) -> tuple | None:
-    """``(--train-data-path, --valid-data-path, --test-data-path)`` when any is given, else None."""
-    paths = tuple(getattr(args, f"{k}_data_path", None) or None for k in ("train", "valid", "test"))
-    return paths if any(paths) else None
-
-
-def uses_mock_data(args) -> bool:
-    return bool(args.mock_data or not (args.data_path or per_split_paths(args)))
-
-
-def vocab_size_of(args) -> int:
+def vocab_size_of(data: DataConfig) -> int:
     """The real vocabulary size: ``--vocab-size`` with mock data, else the tokenizer's.
     Needs no process group (the tokenizer files are read here, before any is created)."""
-    if uses_mock_data(args):
-        if args.vocab_size is None:
+    if data.mock:
+        if data.vocab_size is None:
             raise ValueError("--mock-data needs --vocab-size")
-        return args.vocab_size
+        return data.vocab_size
     from megazero.data import build_tokenizer
-    return build_tokenizer(args).vocab_size
+    return build_tokenizer(data.tokenizer).vocab_size
 
 
-def with_checkpoint_tokenizer(args):
-    """``args`` with the tokenizer flags recorded by ``--load``'s latest checkpoint when no
-    ``--tokenizer-type`` is given (an imported model: ``convert_checkpoint.py from-hf`` records
-    ``DIR/tokenizer``), so it trains and saves with its own tokenizer. No process group needed."""
-    if args.tokenizer_type is not None or not args.load:
-        return args
-    from megazero.checkpoint.files import latest_iteration, read_metadata
-    from megazero.data.tokenizers import saved_tokenizer_flags
-    iteration = latest_iteration(args.load)
-    if iteration is None:
-        return args
-    flags = saved_tokenizer_flags(read_metadata(args.load, iteration).get("args", {}), args.load)
-    return args.replace(**flags) if flags else args
-
-
-def sample_counts(args) -> tuple[int, int, int]:
+def sample_counts(schedule: ScheduleConfig) -> tuple[int, int, int]:
     """(train, valid, test) samples the run will draw: Megatron's ``get_train_valid_test_num_samples``
-    (core_v0.19.0 ``megatron/training/training.py``) with ``B = args.global_batch_size``: train
+    (core_v0.19.0 ``megatron/training/training.py``) with ``B = --global-batch-size``: train
     ``--train-samples`` or ``train_iters * B``, raised to what the batch schedule consumes in
     ``train_iters`` iterations where that is more (a ramp-up's last ramp iteration may pass
     ``--train-samples``, as Megatron's ``update_train_iters`` counts; a step schedule's sizes
     are not ``B``); valid ``eval_iters * B`` for every validation (each ``eval_interval``
     iterations plus the one at the end of training); test ``eval_iters * B``."""
-    from megazero.training.batch_schedule import BatchSchedule
-    b = args.global_batch_size
-    train = args.train_samples if args.train_samples else args.train_iters * b
-    train = max(train, BatchSchedule.from_args(args).consumed_after(args.train_iters))
-    evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
-    return train, max(evals * args.eval_iters * b, 1), args.eval_iters * b
+    b, s = schedule.global_batch_size, schedule
+    train = s.train_samples if s.train_samples else s.train_iters * b
+    train = max(train, s.batches.consumed_after(s.train_iters))
+    evals = (s.train_iters // s.eval_interval + 1) if s.eval_interval else 0
+    return train, max(evals * s.eval_iters * b, 1), s.eval_iters * b
 
 
-def build_datasets(args, vocab_size: int):
+def build_datasets(data: DataConfig, schedule: ScheduleConfig, vocab_size: int):
     """(train, valid, test) datasets (None where a split is empty or not asked for). Collective
     when process groups exist: rank 0 builds the index caches under ``--data-cache-path`` while
     the others wait at a barrier. ``--data-path`` with ``--split``: three ranges of the same
@@ -90,29 +65,29 @@ def build_datasets(args, vocab_size: int):
     prefixes (Megatron's ``blend_per_split``); mock data: the test split when ``--split`` gives it
     a share."""
     from megazero.data.gpt_dataset import split_ranges
-    counts = sample_counts(args)
-    if uses_mock_data(args):
-        d0, d1 = split_ranges(args.split, 1000)[2]
+    counts = sample_counts(schedule)
+    if data.mock:
+        d0, d1 = split_ranges(data.split, 1000)[2]
         test = counts[2] > 0 and d1 > d0
-        return (MockGPTDataset(counts[0], args.seq_length, vocab_size, args.seed),
-                MockGPTDataset(counts[1], args.seq_length, vocab_size, args.seed + 1),
-                MockGPTDataset(counts[2], args.seq_length, vocab_size, args.seed + 2) if test else None)
+        return (MockGPTDataset(counts[0], data.seq_length, vocab_size, data.seed),
+                MockGPTDataset(counts[1], data.seq_length, vocab_size, data.seed + 1),
+                MockGPTDataset(counts[2], data.seq_length, vocab_size, data.seed + 2) if test else None)
     from megazero.data import build_train_valid_test_datasets
     rank = dist.get_rank() if dist.is_initialized() else 0
     build = lambda paths, split, sizes: build_train_valid_test_datasets(  # noqa: E731
-        paths, split, args.seq_length, args.seed, sizes, cache_dir=args.data_cache_path, is_builder=rank == 0,
+        list(paths), split, data.seq_length, data.seed, sizes, cache_dir=data.cache_path, is_builder=rank == 0,
         barrier=dist.barrier if dist.is_initialized() else None, vocab_size=vocab_size)  # ids checked
-    per_split = per_split_paths(args)
+    per_split = data.per_split_paths
     if per_split is None:
-        datasets = build(args.data_path, args.split, counts)
+        datasets = build(data.data_path, data.split, counts)
     else:  # split k takes every document of its own prefixes
         whole = ("1,0,0", "0,1,0", "0,0,1")
         datasets = tuple(None if not paths else build(paths, whole[k], tuple(n if i == k else 0 for i, n in
                                                                               enumerate(counts)))[k]
                          for k, paths in enumerate(per_split))
     if datasets[0] is None:
-        where = (f"--data-path {args.data_path} with --split {args.split!r}" if per_split is None
-                 else f"--train-data-path {per_split[0]}")
+        where = (f"--data-path {list(data.data_path)} with --split {data.split!r}" if per_split is None
+                 else f"--train-data-path {list(per_split[0])}")
         raise ValueError(f"no training documents in {where}")
     return datasets
 
@@ -137,18 +112,23 @@ class DocumentMasks:
     reset_attention_mask: bool = False
 
     @classmethod
-    def from_args(cls, args, vocab_size: int) -> "DocumentMasks | None":
+    def from_config(cls, data: DataConfig, vocab_size: int) -> "DocumentMasks | None":
         """None unless one of the three flags is on. eod: the tokenizer's; with mock data and no
         ``--tokenizer-type``, ``vocab_size - 1`` (NullTokenizer's convention here)."""
-        flags = dict(eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
-                     reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-                     reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)))
+        flags = dict(eod_mask_loss=data.eod_mask_loss, reset_position_ids=data.reset_position_ids,
+                     reset_attention_mask=data.reset_attention_mask)
         if not any(flags.values()):
             return None
-        if getattr(args, "tokenizer_type", None) is None:
+        if data.tokenizer.type is None:
             return cls(eod=vocab_size - 1, **flags)
         from megazero.data import build_tokenizer
-        return cls(eod=build_tokenizer(args).eod, **flags)
+        return cls(eod=build_tokenizer(data.tokenizer).eod, **flags)
+
+    @property
+    def per_document(self) -> frozenset:
+        """The micro-batch entries these switches make per document (``ModelStages.input_keys``)."""
+        return frozenset({"attention_mask"} if self.reset_attention_mask else set()) | frozenset(
+            {"position_ids"} if self.reset_position_ids else set())
 
     def __call__(self, tokens: torch.Tensor) -> dict:
         """``loss_mask``, ``position_ids`` and (with ``reset_attention_mask``) ``attention_mask``."""
@@ -170,35 +150,6 @@ class DocumentMasks:
 
 MICRO_BATCH_KEYS = frozenset({"tokens", "labels", "loss_mask", "position_ids", "attention_mask"})
 _READ_KEYS = frozenset({"tokens", "labels", "loss_mask", "attention_mask"})  # need the samples' tokens
-
-
-def stage_keys(topo: Topology, masks: DocumentMasks | None = None, rope: bool = False) -> frozenset:
-    """The micro-batch entries this pipeline rank's chunks read (``gpt_forward_step``):
-
-    * the first stage (virtual stage 0, the embedding): ``tokens``, ``position_ids``;
-    * the last stage (the loss): ``labels``, ``loss_mask``;
-    * every stage, middle ones included, the per-document entries every layer uses: the
-      ``attention_mask`` with ``--reset-attention-mask``, and with ``--reset-position-ids`` the
-      ``position_ids`` when the layers apply RoPE (otherwise positions are ``arange(s)``, which a
-      chunk builds itself when none is given).
-
-    A rank with both the first and the last virtual stage (PP = 1, or any VP on one rank) gets
-    the union. Megatron-LM core_v0.19.0 ``pretrain_gpt.py: get_batch`` returns nothing on a rank
-    that is neither first nor last (``is_first_or_last_pipeline_stage``) unless the layers need
-    per-document metadata (``has_cu_seqlens``), and ``megatron/core/utils.py:
-    get_batch_on_this_tp_rank`` gives the first stage ``tokens``, ``position_ids``, the last
-    ``labels``, ``loss_mask`` (both the attention mask when it is made in the data loader)."""
-    every = set()
-    if masks is not None and masks.reset_attention_mask:
-        every.add("attention_mask")
-    if masks is not None and masks.reset_position_ids and rope:
-        every.add("position_ids")
-    keys = set(every)
-    if topo.is_first_stage:
-        keys |= {"tokens", "position_ids"}
-    if topo.is_last_stage:
-        keys |= {"labels", "loss_mask"}
-    return frozenset(keys)
 
 
 class _ReadMicroBatch:
@@ -228,7 +179,7 @@ class MicroBatchSource:
     sampler; after ``k`` micro-batches per DP rank the next one starts at sample
     ``consumed_samples + k * micro_batch_size * DP``), whatever number of micro-batches each
     iteration takes, so a run resumed at ``consumed_samples`` continues exactly. Each dict holds
-    the ``keys`` of :func:`stage_keys` (default: all five), equal to what every rank read before
+    the ``keys`` this stage reads (``ModelStages.input_keys``; default: all five), equal to what every rank read before
     (``tokens``/``labels`` ``[b, s]`` int64, ``loss_mask`` float32, ``position_ids``, and
     ``attention_mask`` ``[b, 1, s, s]`` with ``masks``); a stage that needs no sample gets ``{}``
     and reads nothing (it still raises when the samples run out, as the others do).

@@ -1,12 +1,11 @@
 """``pretrain``: the entry point of ``pretrain_gpt.py`` around :func:`setup` and
 :meth:`Trainer.train` -- signal handlers, the one-line reports of failures (checkpoint and data
-errors as they are worded; anything else by :mod:`megazero.failures`: the file and the cause of an
+errors as they are worded; anything else by :mod:`megazero.config.failures`: the file and the cause of an
 ``OSError`` such as a full disk, else the exception and the line that raised it; the traceback
 only with ``--debug`` or ``MEGAZERO_DEBUG=1``), and the teardown of the process group on the way out."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
@@ -15,8 +14,9 @@ import torch.distributed as dist
 
 from megazero.checkpoint import CheckpointError
 from megazero.data.indexed_dataset import DataError
-from megazero.failures import debug_requested, report
-from megazero.training.build import setup
+from megazero.config.failures import debug_requested, report
+from megazero.parallel.launch import current_rank
+from megazero.training.build import build_configs, setup
 from megazero.training.signals import ExitSignal
 
 
@@ -27,12 +27,14 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     traceback too with ``--debug`` or ``MEGAZERO_DEBUG=1``). The process group is torn down on
     the way out, so peers see a closed connection instead of waiting for the collective timeout.
     """
-    signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[args.exit_signal.upper()]}
-    exit_signal = ExitSignal.install(sorted(signums)) if args.exit_signal_handler else None
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    debug = debug_requested(getattr(args, "debug", False))
+    rank, debug = current_rank(), debug_requested()  # --debug is read with the configs, below
     try:
-        trainer = setup(args, model_provider, forward_step_func)
+        config = build_configs(args)  # the tokenizer's files and --load's record are read here
+        debug = debug_requested(config.logging.debug)
+        schedule = config.schedule
+        signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[schedule.exit_signal.upper()]}
+        exit_signal = ExitSignal.install(sorted(signums)) if schedule.exit_signal_handler else None
+        trainer = setup(config, model_provider, forward_step_func)
         trainer.train(exit_signal)
         trainer.tb.close()
     except (CheckpointError, DataError) as e:  # worded for the user already: the file and the cause

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 class TrainerEvaluation:
-    """Evaluation methods of the Trainer (they read its ``args``, ``topo``, ``chunks``, ``runner``,
+    """Evaluation methods of the Trainer (they read its ``config.schedule``, ``topo``, ``chunks``, ``runner``,
     ``forward_step``, ``optimizer.host``, the datasets, ``_source`` and ``_local_loss``)."""
 
     def _dp_mean(self, step_losses: list) -> float | None:
@@ -28,18 +28,18 @@ class TrainerEvaluation:
         """Mean loss over ``--eval-iters`` global batches of ``dataset`` (default: the validation
         set) from sample ``start`` (default: after the earlier evaluations' samples, as
         Megatron's ``consumed_valid_samples``); None on ranks without the loss or without data."""
-        args = self.args
+        schedule = self.config.schedule
         dataset = self.valid_ds if dataset is None else dataset
-        if dataset is None or args.eval_iters <= 0:
+        if dataset is None or schedule.eval_iters <= 0:
             return None
         for c in self.chunks:
             c.eval()
         if start is None:
-            start = ((self.iteration // args.eval_interval) - 1) * args.eval_iters * args.global_batch_size
-        m = args.num_micro_batches
+            start = ((self.iteration // schedule.eval_interval) - 1) * schedule.eval_iters * schedule.global_batch_size
+        m = schedule.num_micro_batches
         totals = []
         with torch.no_grad(), self._source(dataset, start % len(dataset), read_ahead=m, cycle=True) as source:
-            for _ in range(args.eval_iters):
+            for _ in range(schedule.eval_iters):
                 mbs = source.next_batch(m, read_ahead=m)
                 losses = self.runner.run(self.chunks, mbs, self.forward_step, grad_scale=1.0, forward_only=True)
                 t = self._local_loss(losses)
@@ -53,11 +53,11 @@ class TrainerEvaluation:
         """Megatron's ``pretrain`` after a completed ``train``: the validation set (its next
         ``--eval-iters`` batches) and the test set (from its first sample), printed as
         ``validation loss at iteration N on validation set`` / ``... on test set``."""
-        args = self.args
-        if args.eval_iters <= 0:
+        schedule = self.config.schedule
+        if schedule.eval_iters <= 0:
             return
-        done = self.iteration // args.eval_interval if args.eval_interval else 0
-        self._log_validation(self.evaluate(self.valid_ds, done * args.eval_iters * args.global_batch_size),
+        done = self.iteration // schedule.eval_interval if schedule.eval_interval else 0
+        self._log_validation(self.evaluate(self.valid_ds, done * schedule.eval_iters * schedule.global_batch_size),
                              where=" on validation set")
         if self.test_ds is not None:
             self._log_validation(self.evaluate(self.test_ds, 0), where=" on test set", tensorboard=False)

@@ -15,7 +15,7 @@ from megazero.training.lr_schedule import learning_rates
 
 
 class TrainerLogging:
-    """Logging methods of the Trainer (they read its ``args``, ``stats``, ``scheduler``,
+    """Logging methods of the Trainer (they read its ``config``, ``stats``, ``scheduler``,
     ``optimizer``, ``tb``, ``rank``/``last_rank``)."""
 
     def _log(self, seconds_per_iter: float, loss_sum: float | None, batch_size: int, *, grad_norm: float | None,
@@ -25,24 +25,24 @@ class TrainerLogging:
         ``batch_size``: the global batch size of the iteration just run (Megatron's
         ``training_log`` prints ``get_current_global_batch_size()``), also the throughput's;
         ``num_zeros`` / ``params_norm`` with ``--log-num-zeros-in-grad`` / ``--log-params-norm``."""
-        args, stats = self.args, self.stats
+        log, stats, world = self.config.logging, self.stats, self.config.parallel.world_size
         if self.rank == self.last_rank:
             losses = stats.losses(loss_sum)
             self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
             flops = model_flops_per_iteration(self.model_config, batch_size, self.topo.tp)
-            tflops = flops / (seconds_per_iter * args.world_size * 1e12)
-            print(iteration_line(iteration=self.iteration, train_iters=args.train_iters,
+            tflops = flops / (seconds_per_iter * world * 1e12)
+            print(iteration_line(iteration=self.iteration, train_iters=self.config.schedule.train_iters,
                                  consumed_samples=self.consumed_samples, iteration_ms=seconds_per_iter * 1000,
-                                 tflops_per_gpu=tflops if args.log_throughput else None, lr=self.scheduler.get_lr(),
-                                 decoupled_lr=learning_rates(self.scheduler, args)[1],
+                                 tflops_per_gpu=tflops if log.throughput else None, lr=self.scheduler.get_lr(),
+                                 decoupled_lr=learning_rates(self.scheduler, self.config.schedule.lr)[1],
                                  global_batch_size=batch_size, losses=losses,
                                  loss_scale=self.optimizer.scaler.scale, grad_norm=grad_norm,
                                  num_zeros=num_zeros, params_norm=params_norm,
                                  skipped=stats.skipped, nans=stats.nans,
                                  timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
-            if args.log_timers_to_tensorboard:
+            if log.timers_to_tensorboard:
                 self.tb.scalars({"iteration-time": seconds_per_iter,
-                                 "throughput": tflops if args.log_throughput else None},
+                                 "throughput": tflops if log.throughput else None},
                                 self.iteration, self.consumed_samples)
         stats.reset()
 
@@ -53,17 +53,18 @@ class TrainerLogging:
         ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
         communication counters. ``lm``: the iteration's DP-mean loss, agreed in its packed
         all-reduce (no collective here)."""
-        args = self.args
+        log = self.config.logging
         if self.rank != self.last_rank:
             return
         scalars = {"learning-rate": self.scheduler.get_lr(), "batch-size": batch_size, "lm loss": lm,
-                   "grad-norm": grad_norm, "decoupled-learning-rate": learning_rates(self.scheduler, args)[1],
+                   "grad-norm": grad_norm,
+                   "decoupled-learning-rate": learning_rates(self.scheduler, self.config.schedule.lr)[1],
                    "num-zeros": num_zeros, "params-norm": params_norm}
-        if args.log_loss_scale_to_tensorboard:
+        if log.loss_scale_to_tensorboard:
             scalars["loss-scale"] = self.optimizer.scaler.scale
-        if args.log_world_size_to_tensorboard:
-            scalars["world-size"] = args.world_size
-        if args.log_memory_to_tensorboard:
+        if log.world_size_to_tensorboard:
+            scalars["world-size"] = self.config.parallel.world_size
+        if log.memory_to_tensorboard:
             scalars.update(memory_scalars(self.device))
         scalars.update(self.optimizer.comm_scalars())
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
@@ -75,7 +76,7 @@ class TrainerLogging:
             if not tensorboard:
                 return
             scalars = {"lm loss validation": val}
-            if self.args.log_validation_ppl_to_tensorboard:
+            if self.config.logging.validation_ppl_to_tensorboard:
                 scalars["lm loss validation ppl"] = math.exp(min(20.0, val))
             self.tb.scalars(scalars, self.iteration, self.consumed_samples)
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Mapping
+
+from megazero.config.configs import WandbConfig
 
 
 def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
@@ -157,7 +160,8 @@ class TensorBoardLogger:
             self.wandb.finish()
 
 
-def open_wandb(args, rank: int, world_size: int, print_fn=print):
+def open_wandb(wandb_config: WandbConfig, save: str | None, flags: Mapping, rank: int, world_size: int,
+               print_fn=print):
     """Megatron's W&B writer (core_v0.19.0 ``megatron/training/global_vars.py``
     ``_set_wandb_writer``): with ``--wandb-project``, on the last rank only, ``wandb.init(dir=
     --wandb-save-dir or <--save>/wandb, name=--wandb-exp-name, project=--wandb-project,
@@ -165,7 +169,7 @@ def open_wandb(args, rank: int, world_size: int, print_fn=print):
     :class:`TensorBoardLogger`) or None. Without the ``wandb`` package (optional extra
     ``megazero[wandb]``) the flags have no effect and rank 0 prints one line saying so. As in
     Megatron, scalars reach W&B where TensorBoard's are written (give ``--tensorboard-dir`` too)."""
-    project = getattr(args, "wandb_project", None)
+    project = wandb_config.project
     if not project or rank not in (0, world_size - 1):
         return None
     try:
@@ -177,13 +181,10 @@ def open_wandb(args, rank: int, world_size: int, print_fn=print):
         return None
     if rank != world_size - 1:
         return None
-    save_dir = getattr(args, "wandb_save_dir", None) or (os.path.join(args.save, "wandb") if args.save else None)
-    flags = args.as_dict() if hasattr(args, "as_dict") else dict(vars(args))
-    kwargs = dict(dir=save_dir, name=getattr(args, "wandb_exp_name", None), project=project,
-                  config={k: v if isinstance(v, (bool, int, float, str, type(None), list, tuple)) else str(v)
-                          for k, v in flags.items()})
-    if getattr(args, "wandb_entity", None):
-        kwargs["entity"] = args.wandb_entity
+    save_dir = wandb_config.save_dir or (os.path.join(save, "wandb") if save else None)
+    kwargs = dict(dir=save_dir, name=wandb_config.exp_name, project=project, config=dict(flags))
+    if wandb_config.entity:
+        kwargs["entity"] = wandb_config.entity
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
     wandb.init(**kwargs)

@@ -18,13 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from megazero.model.stages import gpt_forward_step
+from megazero.config.configs import RunConfig
 from megazero.parallel.topology import Topology
 from megazero.pipeline.trace import ScheduleTrace, write_pipeline_trace
 from megazero.training.agree import IterationAgreement
-from megazero.training.batch_schedule import BatchSchedule
 from megazero.training.checkpointing import TrainerCheckpoints, print_rank
-from megazero.training.data import DocumentMasks, MicroBatchSource, stage_keys
+from megazero.training.data import DocumentMasks, MicroBatchSource
 from megazero.training.evaluation import TrainerEvaluation
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats
@@ -36,10 +35,12 @@ from megazero.zero.norms import params_sq
 class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
     """Owns everything one rank needs to train; built by :func:`pretrain`."""
 
-    def __init__(self, args, topo: Topology, device: torch.device, *, model_config, stages, optimizer, runner,
+    def __init__(self, config: RunConfig, topo: Topology, device: torch.device, *, stages, optimizer, runner,
                  forward_step, datasets, scheduler, tb):
-        self.args, self.topo, self.device = args, topo, device
-        self.model_config, self.stages, self.chunks = model_config, stages, stages.chunks
+        if forward_step is None:
+            raise ValueError("no forward step: the model provider's ModelStages has none, and none was given")
+        self.config, self.topo, self.device = config, topo, device
+        self.model_config, self.stages, self.chunks = config.model, stages, stages.chunks
         self.optimizer, self.runner, self.forward_step = optimizer, runner, forward_step
         self.train_ds, self.valid_ds, self.test_ds = (*datasets, None, None)[:3]  # test: optional
         self.scheduler, self.tb = scheduler, tb
@@ -52,26 +53,24 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         self.publications: list[tuple[int, int]] = []  # (checkpoint's iteration, published after iteration)
         self.exit_signal = None  # set by train()
         self.last_agreed = None  # the last iteration's agreed scalars (Agreed)
-        self.batches = BatchSchedule.from_args(args, topo.dp)  # global batch size by consumed samples
+        self.batches = config.schedule.batches  # global batch size by consumed samples
         self.agreement = IterationAgreement(topo, device, optimizer)  # the one packed all-reduce per iteration
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
-        self.doc_masks = DocumentMasks.from_args(args, model_config.vocab_size)  # eod switches, or None
-        if args.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR
-            from megazero.model.stages import embedding_and_output_params
-            optimizer.set_decoupled_params(embedding_and_output_params(stages.chunks))
+        self.doc_masks = DocumentMasks.from_config(config.data, config.model.vocab_size)  # eod switches, or None
 
     def _source(self, dataset, consumed_samples: int, *, read_ahead: int, cycle: bool = False) -> MicroBatchSource:
         """This rank's micro-batches of ``dataset`` from ``consumed_samples`` on, read ahead on a
         background thread (``--num-workers`` > 0); only the entries this pipeline stage reads
-        when the forward step is GPT's (another model's forward step gets every entry)."""
-        keys = None
-        if self.forward_step is gpt_forward_step:
-            keys = stage_keys(self.topo, self.doc_masks, rope=self.model_config.position_embedding_type == "rope")
-        return MicroBatchSource(dataset, consumed_samples, seq_length=self.args.seq_length,
-                                micro_batch_size=self.args.micro_batch_size, topo=self.topo, device=self.device,
+        (``ModelStages.input_keys``) when the forward step is the model's own (another forward
+        step gets every entry)."""
+        keys, data = None, self.config.data
+        if self.stages.input_keys is not None and self.forward_step is self.stages.forward_step:
+            keys = self.stages.input_keys(self.doc_masks.per_document if self.doc_masks else frozenset())
+        return MicroBatchSource(dataset, consumed_samples, seq_length=data.seq_length,
+                                micro_batch_size=data.micro_batch_size, topo=self.topo, device=self.device,
                                 keys=keys, masks=self.doc_masks, cycle=cycle, read_ahead=read_ahead,
-                                num_workers=getattr(self.args, "num_workers", 1))
+                                num_workers=data.num_workers)
 
     # ---- one iteration -------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], with_loss: bool):
@@ -79,33 +78,34 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         packed all-reduce and host read (:mod:`.agree`; ``with_loss``: a log or TensorBoard line
         is due, so the DP-mean loss travels in it), optimizer step. Returns ``(loss, ok,
         grad_norm, agreed)``; with ``--pipeline-trace`` the third step of this process is traced."""
-        args = self.args
+        trace_path = self.config.logging.pipeline_trace
         steps_done = self.iteration - self.first_iteration
-        traced = args.pipeline_trace and steps_done == min(2, args.train_iters - self.first_iteration - 1)
+        traced = trace_path and steps_done == min(2, self.config.schedule.train_iters - self.first_iteration - 1)
         trace = ScheduleTrace() if traced else None
         self.optimizer.zero_grad()
         self.optimizer.set_num_micro_batches(len(micro_batches))
-        with attention_backend(args.attention_backend, self.device):
+        with attention_backend(self.config.attention_backend, self.device):
             losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
                                      grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
         if trace is not None:
-            write_pipeline_trace(args.pipeline_trace, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
+            write_pipeline_trace(trace_path, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
         loss = self._local_loss(losses)
         agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._flags(),
-                                      count_zeros=with_loss and bool(getattr(args, "log_num_zeros_in_grad", False)))
-        ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler, args))
+                                      count_zeros=with_loss and self.config.logging.num_zeros_in_grad)
+        ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler,
+                                                                                   self.config.schedule.lr))
         return loss, ok, grad_norm, agreed
 
     def _flags(self) -> tuple[bool, bool, bool] | None:
         """This rank's (exit signal received, ``--exit-duration-in-mins`` passed, its
         ``--async-save`` write still in flight), or None when none of them can be on (no
         per-iteration agreement needed)."""
-        args = self.args
-        if self.exit_signal is None and args.exit_duration_in_mins is None and self.pending_save is None:
+        limit = self.config.schedule.exit_duration_in_mins
+        if self.exit_signal is None and limit is None and self.pending_save is None:
             return None
         minutes = (time.time() - self.start_time) / 60.0
         return (self.exit_signal is not None and self.exit_signal.received,
-                args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins,
+                limit is not None and minutes > limit,
                 self.pending_save is not None and not self.pending_save.done())
 
     def _local_loss(self, losses) -> torch.Tensor | None:
@@ -123,16 +123,16 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         the batch schedule's at the samples consumed before it (Megatron's
         ``update_num_microbatches``); when its micro-batch count changes a checkpoint is saved
         first, as Megatron-LM core_v0.19.0 ``train`` does."""
-        args, batches = self.args, self.batches
+        ck, batches, train_iters = self.config.checkpoint, self.batches, self.config.schedule.train_iters
         self.first_iteration, self.exit_signal = self.iteration, exit_signal
         m_prev = batches.num_micro_batches(self.consumed_samples)
-        if args.async_save and args.save:  # the writer's start and its buffer before the first step, not after a save
+        if ck.async_save and ck.save:  # the writer's start and its buffer before the first step, not after a save
             self.prepare_async_save()
         with self._source(self.train_ds, self.consumed_samples, read_ahead=m_prev) as source:
             log_start = time.time()
-            while self.iteration < args.train_iters:
+            while self.iteration < train_iters:
                 b, m = batches.global_batch_size(self.consumed_samples), batches.num_micro_batches(self.consumed_samples)
-                if m != m_prev and args.save and self.iteration != 0:
+                if m != m_prev and ck.save and self.iteration != 0:
                     self.save()
                 m_prev = m
                 mbs = source.next_batch(m, read_ahead=batches.num_micro_batches(self.consumed_samples + b))
@@ -142,7 +142,7 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
                 if self._save_or_exit(self.last_agreed):
                     self.finish_save()
                     return
-        if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+        if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
             self.save()
         self.final_evaluation()
         self.finish_save()
@@ -150,17 +150,18 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
     def _iteration(self, micro_batches: list[dict], batch_size: int, log_start: float) -> float:
         """One training iteration of ``batch_size`` samples and its counters, TensorBoard scalars,
         log line and evaluation when due; returns the start time of the current log interval."""
-        args = self.args
-        log_due = (self.iteration + 1) % args.log_interval == 0
-        tb_due = bool(args.tensorboard_dir) and (self.iteration + 1) % args.tensorboard_log_interval == 0
+        log, schedule = self.config.logging, self.config.schedule
+        log_due = (self.iteration + 1) % log.log_interval == 0
+        tb_due = bool(log.tensorboard_dir) and (self.iteration + 1) % log.tensorboard_log_interval == 0
         # fp16: a skipped step's DP-wide loss check travels in the same packed all-reduce
-        loss, ok, grad_norm, agreed = self.train_step(micro_batches, with_loss=log_due or tb_due or args.fp16)
+        fp16 = self.config.optimizer.params_dtype == torch.float16
+        loss, ok, grad_norm, agreed = self.train_step(micro_batches, with_loss=log_due or tb_due or fp16)
         self.last_agreed = agreed
         bad = agreed.loss_not_finite if agreed.loss_not_finite is not None else self._loss_not_finite(loss, ok)
         self.stats.add(ok, None, loss_is_nan=not ok and bad)
         self._count_step(ok, grad_norm, batch_size)
         # Megatron's optimizer reports no norm and no zeros for a skipped step
-        params_norm = (log_due or tb_due) and getattr(args, "log_params_norm", False)
+        params_norm = (log_due or tb_due) and log.params_norm
         extra = {"grad_norm": grad_norm if ok else None, "num_zeros": agreed.zeros if ok else None,
                  "params_norm": self._params_norm() if params_norm else None}
         if tb_due:
@@ -172,7 +173,7 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
             log_start = time.time()
         elif ok:
             self.agreement.add_applied(loss)
-        if args.eval_interval and self.iteration % args.eval_interval == 0 and args.eval_iters > 0:
+        if schedule.eval_interval and self.iteration % schedule.eval_interval == 0 and schedule.eval_iters > 0:
             self._log_validation(self.evaluate())
         return log_start
 
@@ -215,18 +216,18 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         """Save when due (``--save-interval``, a signal, ``--exit-interval``,
         ``--exit-duration-in-mins``); True to stop now. The two exit flags were agreed on in the
         iteration's packed all-reduce (:mod:`.agree`)."""
-        args = self.args
+        schedule, ck = self.config.schedule, self.config.checkpoint
         signalled, timed_out = agreed.signalled, agreed.timed_out
         if timed_out and not signalled:
             print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
-                                      f"--exit-duration-in-mins {args.exit_duration_in_mins}")
+                                      f"--exit-duration-in-mins {schedule.exit_duration_in_mins}")
         signalled = signalled or timed_out
-        exiting = signalled or bool(args.exit_interval and self.iteration % args.exit_interval == 0)
-        due = bool(args.save_interval and self.iteration % args.save_interval == 0)
-        if args.save and (due or exiting):
+        exiting = signalled or bool(schedule.exit_interval and self.iteration % schedule.exit_interval == 0)
+        due = bool(ck.save_interval and self.iteration % ck.save_interval == 0)
+        if ck.save and (due or exiting):
             self.save()
         if signalled and not timed_out:
             print_rank(self.rank, 0, f"exiting on signal after iteration {self.iteration}")
         elif exiting:
-            print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {args.exit_interval})")
+            print_rank(self.rank, 0, f"exiting at iteration {self.iteration} (--exit-interval {schedule.exit_interval})")
         return exiting

@@ -1,7 +1,7 @@
 """Learning-rate schedules: Megatron-LM's (counted in samples) and DeepSpeed's (in optimizer steps).
 
 :func:`build_lr_scheduler` picks the one the arguments ask for: a ``scheduler`` block of the
-``--deepspeed-config`` (``args.deepspeed_scheduler``, resolved by :mod:`megazero.deepspeed_config`)
+``--deepspeed-config`` (``args.deepspeed_scheduler``, resolved by :mod:`megazero.config.deepspeed_config`)
 gives a :class:`DeepSpeedLRScheduler`, otherwise the Megatron flags give an :class:`LRScheduler`.
 Both have the same interface: ``get_lr(n=None)``, ``step()``, ``num_steps``, ``state_dict()`` /
 ``load_state_dict(state, override=False)``; iteration ``i`` (1-based) trains with ``get_lr()``
@@ -35,6 +35,8 @@ the flags' (a changed schedule is named, not silently applied), unless
 from __future__ import annotations
 
 import math
+
+from megazero.config.configs import LRConfig
 
 DEEPSPEED_SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
@@ -189,33 +191,22 @@ class DeepSpeedLRScheduler:
         self.num_steps = int(state["num_steps"])
 
 
-def learning_rates(scheduler, args) -> tuple[float, float | None]:
+def learning_rates(scheduler, lr: LRConfig) -> tuple[float, float | None]:
     """(lr, decoupled lr) the next step uses: the second is None without ``--decoupled-lr``, else
     the same schedule with peak ``--decoupled-lr`` and floor ``--decoupled-min-lr`` (default
     ``--min-lr``), as Megatron's param group ``max_lr``/``min_lr`` overrides."""
-    if getattr(args, "decoupled_lr", None) is None or not isinstance(scheduler, LRScheduler):
+    if lr.decoupled_lr is None or not isinstance(scheduler, LRScheduler):
         return scheduler.get_lr(), None
-    return scheduler.get_lr(), scheduler.get_lr(max_lr=args.decoupled_lr, min_lr=args.decoupled_min_lr)
+    return scheduler.get_lr(), scheduler.get_lr(max_lr=lr.decoupled_lr, min_lr=lr.decoupled_min_lr)
 
 
-def build_lr_scheduler(args):
-    """The scheduler the training loop uses: ``args.deepspeed_scheduler`` (a dict of
-    :class:`DeepSpeedLRScheduler`'s keywords, set by ``--deepspeed-config``) or Megatron's, in
-    samples (module docstring)."""
-    settings = getattr(args, "deepspeed_scheduler", None)
-    if settings:
-        return DeepSpeedLRScheduler(**settings)
-    if args.lr is None:
+def build_lr_scheduler(lr: LRConfig):
+    """The scheduler the training loop uses: a ``--deepspeed-config`` scheduler block
+    (:class:`DeepSpeedLRScheduler`'s keywords) or Megatron's, in samples (module docstring; the
+    lengths in samples are :func:`megazero.config.run_config.lr_config`'s)."""
+    if lr.deepspeed_scheduler:
+        return DeepSpeedLRScheduler(**lr.deepspeed_scheduler)
+    if lr.lr is None:
         raise ValueError("--lr is required (or a --deepspeed-config optimizer/scheduler block)")
-    if args.train_samples is None:
-        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * args.global_batch_size
-        warmup = args.lr_warmup_iters * args.global_batch_size
-    else:
-        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = args.lr_warmup_samples
-    if args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-    return LRScheduler(args.lr, args.min_lr, warmup, decay, args.lr_decay_style, init_lr=args.lr_warmup_init,
-                       override=args.override_opt_param_scheduler,
-                       use_checkpoint=args.use_checkpoint_opt_param_scheduler,
-                       samples_per_step=args.global_batch_size)
+    return LRScheduler(lr.lr, lr.min_lr, lr.warmup_samples, lr.decay_samples, lr.decay_style, init_lr=lr.warmup_init,
+                       override=lr.override, use_checkpoint=lr.use_checkpoint, samples_per_step=lr.samples_per_step)

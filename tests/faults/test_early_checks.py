@@ -6,7 +6,7 @@ import os
 import pytest
 
 from megazero.arguments import parse_args
-from megazero.checkpoint.guard import check_free_space, checkpoint_bytes
+from megazero.config.path_checks import check_free_space, checkpoint_bytes
 from tests.faults.common import MOCK, TINY
 
 RUN = TINY + ["--train-iters", "2"]

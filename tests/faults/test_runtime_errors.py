@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megazero.arguments import parse_args
-from megazero.failures import debug_requested, describe
+from megazero.config.failures import debug_requested, describe
 from tests.faults.common import MOCK, TINY, on_tiny_disk, with_file_size_limit
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megazero.arguments import parse_args
-from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule
+from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
 from megazero.training.lr_schedule import LRScheduler
 
 BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "10",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megazero.megatron_flags import markdown_table, megatron_flags
+from megazero.config.megatron_flags import markdown_table, megatron_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|")

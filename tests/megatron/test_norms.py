@@ -29,7 +29,7 @@ def test_counted_segments_and_fp16_rounding_by_hand():
 
 
 def _run(rank, world, layouts, data):
-    from megazero.config import OptimizerConfig
+    from megazero.config.optimizer import OptimizerConfig
     from megazero.model import GPTConfig
     from megazero.model.stages import gpt_forward_step, gpt_stages
     from megazero.pipeline import PipelineRunner

@@ -55,7 +55,7 @@ def gpt_train(topo, data, args, tied=True, inspect=None):
     """Train this rank's GPT stages with a PipelineRunner and ZeroOptimizer, built from the flags
     exactly as training does (OptimizerConfig.from_args, the stages' shared/TP-duplicated lists);
     ``inspect(chunks, optimizer)`` runs before the first step (a test's hooks)."""
-    from megazero.config import OptimizerConfig
+    from megazero.config.optimizer import OptimizerConfig
     from megazero.model import GPTConfig
     from megazero.model.stages import gpt_forward_step, gpt_stages
     from megazero.pipeline import PipelineRunner

@@ -1,4 +1,4 @@
-"""DeepSpeed configs as DeepSpeed reads them (megazero.deepspeed_config): real-shaped configs
+"""DeepSpeed configs as DeepSpeed reads them (megazero.config.deepspeed_config): real-shaped configs
 checked against values worked out by hand from DeepSpeed v0.16.4's formulas (batch arithmetic,
 optimizer defaults, LR curves, loss-scaler defaults) and the errors' text; the seed-style stage-3
 config trains like torch.optim.AdamW; Adam's L2 mode equals torch.optim.Adam."""
@@ -11,7 +11,7 @@ import torch
 
 from megazero import planner
 from megazero.arguments import parse_args
-from megazero.config import OptimizerConfig
+from megazero.config.optimizer import OptimizerConfig
 from megazero.model.config import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.training.lr_schedule import DeepSpeedLRScheduler, build_lr_scheduler

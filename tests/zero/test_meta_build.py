@@ -19,7 +19,7 @@ TP_PP = [(1, 1), (2, 1), (1, 2)]
 
 
 def _build(topo, stage, meta, dtype=torch.bfloat16):
-    from megazero.config import OptimizerConfig
+    from megazero.config.optimizer import OptimizerConfig
     from megazero.model import GPTConfig
     from megazero.model.stages import gpt_stages
     from megazero.zero import ZeroOptimizer

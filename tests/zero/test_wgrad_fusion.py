@@ -65,7 +65,7 @@ def test_fused_embedding_adds_fp32_rows():
 
 
 def _train(topo, data, stage, fuse):
-    from megazero.config import OptimizerConfig
+    from megazero.config.optimizer import OptimizerConfig
     from megazero.model import GPTConfig
     from megazero.model.stages import gpt_forward_step, gpt_stages
     from megazero.pipeline import PipelineRunner

@@ -4,7 +4,7 @@ Names and defaults are DeepSpeed v0.16.4's (``deepspeed/runtime/constants.py``,
 ``deepspeed/runtime/zero/config.py``, ``deepspeed/runtime/zero/offload_config.py``,
 ``deepspeed/ops/adam/fused_adam.py``, ``deepspeed/runtime/lr_schedules.py``); docs/zero.md's
 "DeepSpeed config keys" section is the same table in prose. Used by
-:mod:`megazero.deepspeed_config`.
+:mod:`megazero.config.deepspeed_config`.
 """
 
 from __future__ import annotations

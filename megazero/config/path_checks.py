@@ -1,6 +1,6 @@
 """The files and folders a training run names, checked before any process group (``pretrain_gpt.py``).
 
-Each check is ``check(err, args)`` like those of :mod:`megazero.args_checks`: ``err(message)``
+Each check is ``check(err, args)`` like those of :mod:`megazero.config.checks`: ``err(message)``
 records one problem naming the flag, the path and the cause, and the checks go on, so one
 message lists every problem. Nothing is created or written here (``--save`` is created later, by
 :func:`megazero.checkpoint.guard.guard_save_dir`); a folder that does not exist yet passes when
@@ -18,11 +18,17 @@ its nearest existing parent is a folder this process may create entries in.
   readable file (HuggingFaceTokenizer: a file or a folder); a tokenizer type's required file flag
   is named when it is missing and the run reads real data (``--tokenizer-type GPT2BPETokenizer
   needs --merge-file``).
+* ``--save``'s file system has room for one checkpoint (:func:`check_free_space`, passed by
+  ``pretrain_gpt.py``: it needs the model's size).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+
+from megazero.config.model import gpt_config
+from megazero.model.memory import total_params
 
 PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
 NEEDS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
@@ -137,3 +143,29 @@ def check_tokenizer_paths(err, args) -> None:
 
 
 PATH_CHECKS = (check_checkpoint_paths, check_data_paths, check_tokenizer_paths)
+
+
+def checkpoint_bytes(args) -> tuple[int, int]:
+    """``(bytes, Φ)`` of one checkpoint, ``(p + 12) Φ`` bytes: the weights once in the parameter
+    dtype (p = 2 with --fp16/--bf16, else 4) plus the fp32 master weights and Adam moments (12),
+    whatever the layout (docs/checkpoints.md, "Written once"; measured 14.3 Φ in bf16, 16.3 Φ in
+    fp32 on a 0.17M-parameter GPT, the rest being the index and RNG states); ``p Φ`` with
+    ``--no-save-optim``. Φ is :func:`megazero.model.memory.total_params` (the planner's); an unknown
+    vocabulary (read from the tokenizer later) counts as 1 token: the estimate is then a lower bound."""
+    phi = total_params(gpt_config(args, vocab_size=args.vocab_size or 1))
+    p = 2 if args.fp16 or args.bf16 else 4
+    return (p + (0 if args.no_save_optim else 12)) * phi, phi
+
+
+def check_free_space(err, args) -> None:
+    """``err`` when the file system of ``--save`` (or its nearest existing parent) has less free
+    space than one checkpoint (:func:`checkpoint_bytes`)."""
+    if not args.save:
+        return
+    path = os.path.realpath(args.save)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    (need, phi), free = checkpoint_bytes(args), shutil.disk_usage(path).free
+    if free < need:
+        err(f"--save {args.save}: no space left on device for one checkpoint: {free / 2 ** 30:.2f} GiB free on "
+            f"{path}, a checkpoint needs about {need / 2 ** 30:.2f} GiB ({need // phi} bytes x {phi:,} parameters)")

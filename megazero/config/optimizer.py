@@ -1,14 +1,7 @@
-"""Frozen configuration objects, built once from the validated arguments.
-
-``arguments.parse_args`` validates the flags (Megatron-LM's names, DeepSpeed's config keys) and
-derives the layout values; this module turns that namespace into immutable objects, each
-holding one concern, so nothing downstream reads or writes the argument namespace:
-
-* :class:`OptimizerConfig` -- the ZeRO optimizer's hyper-parameters, by the keyword names of
-  :class:`megazero.zero.ZeroOptimizer` (``ZeroOptimizer(chunks, topo, **cfg.kwargs(), ...)``).
-* the model's config is :class:`megazero.model.GPTConfig` (built by ``GPTConfig.from_args``
-  once the tokenizer's vocabulary size is known).
-"""
+"""The ZeRO optimizer's config: its hyper-parameters by the keyword names of
+:class:`megazero.zero.ZeroOptimizer` (``ZeroOptimizer(chunks, topo, **cfg.kwargs(), ...)``), from
+the validated flags (Megatron-LM's names; a ``--deepspeed-config``'s keys already merged). One of
+the run's configs (:class:`megazero.config.configs.RunConfig`)."""
 
 from __future__ import annotations
 

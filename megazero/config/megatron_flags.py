@@ -1,7 +1,8 @@
 """Megatron-LM's flags that megazero does not implement: accepted (class 2) or refused (class 3).
 
-Every flag of Megatron-LM's GPT training path is in :data:`megazero.megatron_flag_table.TABLE`
-with one of three classes (docs/megatron.md lists them):
+Every flag of Megatron-LM's GPT training path is a row of ``megatron_flags.tsv`` beside this
+module (a data file, read once at import; its header says where the rows come from) with one of
+three classes (docs/megatron.md lists them):
 
 1. *honoured*: registered by :mod:`megazero.arguments` with Megatron's meaning (a few by
    :data:`HONOURED_FLAGS` here);
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
+import pathlib
 from dataclasses import dataclass
 
-from megazero.megatron_flag_table import TABLE
+from megazero.parallel.launch import current_rank
 
 PREFIX = "megatron:"
 
@@ -48,13 +49,26 @@ def _literal(text: str):
         return text
 
 
-def megatron_flags() -> list[MegatronFlag]:
-    """The table's rows, in Megatron's group order."""
+def read_table(path: pathlib.Path) -> tuple[MegatronFlag, ...]:
+    """The rows of a flag table file (``#`` lines are its header), in file order."""
     rows = []
-    for line in TABLE.splitlines():
-        options, dest, arity, default, cls, note = line.split("\t")
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line or line.startswith("#"):
+            continue
+        cells = line.split("\t")
+        if len(cells) != 6:
+            raise ValueError(f"{path}:{number}: expected 6 tab-separated cells, found {len(cells)}")
+        options, dest, arity, default, cls, note = cells
         rows.append(MegatronFlag(tuple(options.split(",")), dest, arity, _literal(default), int(cls), note))
-    return rows
+    return tuple(rows)
+
+
+TABLE = read_table(pathlib.Path(__file__).with_name("megatron_flags.tsv"))  # immutable, read once
+
+
+def megatron_flags() -> tuple[MegatronFlag, ...]:
+    """The table's rows, in Megatron's group order."""
+    return TABLE
 
 
 # Class 1 flags whose meaning lives outside megazero.arguments (training/logger.py, zero/norms.py,
@@ -165,7 +179,7 @@ def apply_megatron_flags(args, fail) -> None:
     if unavailable:
         fail(unavailable_message(unavailable))
     args.megatron_no_effect = tuple(sorted(set(harmless)))
-    if harmless and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if harmless and current_rank() == 0:
         print(harmless_line(harmless), flush=True)
     if args.use_distributed_optimizer and args.zero_stage == 0:
         args.zero_stage = 1

@@ -1,4 +1,4 @@
-"""The ``optimizer`` and ``scheduler`` blocks of a DeepSpeed config (used by megazero.deepspeed_config).
+"""The ``optimizer`` and ``scheduler`` blocks of a DeepSpeed config (used by megazero.config.deepspeed_config).
 
 Optimizer (DeepSpeed v0.16.4 ``engine._configure_basic_optimizer``): ``type`` Adam or AdamW
 (case-insensitive); ``adam_w_mode`` (default true) — the effective mode is
@@ -19,7 +19,7 @@ client scheduler, as Megatron-DeepSpeed passes it).
 
 from __future__ import annotations
 
-from megazero.deepspeed_keys import (OPTIMIZER_NO_EFFECT, OPTIMIZER_PARAMS, OPTIMIZER_TYPES, SCHEDULER_DEFAULTS,
+from megazero.config.deepspeed_keys import (OPTIMIZER_NO_EFFECT, OPTIMIZER_PARAMS, OPTIMIZER_TYPES, SCHEDULER_DEFAULTS,
                                      SCHEDULER_PARAMS)
 
 MUST_BE = {"bias_correction": True, "amsgrad": False, "maximize": False}

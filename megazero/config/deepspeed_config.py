@@ -7,12 +7,12 @@ validation and before any process group. Precedence for a value that has a megaz
 2. the config's value; ``"auto"`` (Hugging Face Trainer convention) takes the flag's value, and
    every ``"auto"`` that has no value is named in one error;
 3. DeepSpeed's default when the key is absent (v0.16.4; the tables are in
-   :mod:`megazero.deepspeed_keys`, the prose in docs/zero.md, "DeepSpeed config keys").
+   :mod:`megazero.config.deepspeed_keys`, the prose in docs/zero.md, "DeepSpeed config keys").
 
 Batch: ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * DP``;
 missing ones are derived with DeepSpeed's floor divisions, then the identity is checked with
 DeepSpeed's message. ``optimizer`` (Adam/AdamW -> ``args.adam_w_mode``) and ``scheduler``
-(-> ``args.deepspeed_scheduler``) are resolved by :mod:`megazero.deepspeed_optim`. Offloading
+(-> ``args.deepspeed_scheduler``) are resolved by :mod:`megazero.config.deepspeed_optim`. Offloading
 is refused with the planner's per-rank memory. Every problem is one ``prog: error: ...`` line,
 exit status 2. Rank 0 prints one line saying where each value came from and warns once about
 keys that are harmless, have no effect, or are unknown.
@@ -25,10 +25,11 @@ import math
 import os
 import warnings
 
-from megazero.deepspeed_keys import (BATCH_KEYS, BLOCKS_ENABLED_BY_PRESENCE, FP16_KEYS, HARMLESS_KEYS,
+from megazero.config.deepspeed_keys import (BATCH_KEYS, BLOCKS_ENABLED_BY_PRESENCE, FP16_KEYS, HARMLESS_KEYS,
                                      NO_EFFECT_KEYS, NO_EFFECT_SUBKEYS, NO_EFFECT_ZERO_KEYS, ONLY_DEFAULT_KEYS,
                                      TOP_KEYS, ZERO_KEYS, fp16_scaler_defaults, load_config, offload_devices)
-from megazero.deepspeed_optim import apply_optimizer, apply_scheduler
+from megazero.config.deepspeed_optim import apply_optimizer, apply_scheduler
+from megazero.parallel.launch import current_rank
 
 SOURCE_ORDER = ("command line", "config", "auto", "DeepSpeed default")
 HANDLED = {"optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "bfloat16", *BATCH_KEYS, *TOP_KEYS}
@@ -125,7 +126,7 @@ class Merge:
 
 
 def is_rank0(env=os.environ) -> bool:
-    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0) == 0
+    return current_rank(env) == 0
 
 
 def data_parallel_size(args) -> int | None:
@@ -234,8 +235,8 @@ def apply_zero(m: Merge) -> None:
 
 def planned_memory(args) -> str:
     """The planner's per-rank memory for this layout (``python -m megazero.planner``)."""
-    from megazero import planner  # only on this error path (the planner imports the model's config)
-    from megazero.model.config import GPTConfig
+    from megazero.config.model import gpt_config
+    from megazero.model.memory import estimate
     need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size")
     missing = [flag_name(n) for n in need if getattr(args, n, None) is None]
     dp = data_parallel_size(args)
@@ -245,7 +246,7 @@ def planned_memory(args) -> str:
     micro_batches = args.global_batch_size // (mbs * dp) if args.global_batch_size else 4 * pp
     per_vp = args.num_layers_per_virtual_pipeline_stage
     half, fp32_grads = args.fp16 or args.bf16, args.bf16 or args.accumulate_allreduce_grads_in_fp32
-    layout = planner.estimate(GPTConfig.from_args(args), tp, pp, dp, args.zero_stage, micro_batch_size=mbs,
+    layout = estimate(gpt_config(args), tp, pp, dp, args.zero_stage, micro_batch_size=mbs,
                               micro_batches=micro_batches, vp=args.num_layers // (pp * per_vp) if per_vp else 1,
                               param_bytes=2 if half else 4, grad_bytes=2 if half and not fp32_grads else 4,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute_granularity,

@@ -11,11 +11,11 @@ here runs before any process group exists, so a bad flag costs no rank a wait. :
 * ``num_micro_batches = global_batch / (micro_batch * DP)``
 * ``virtual_pipeline_model_parallel_size = num_layers / (PP * layers_per_virtual_stage)``
 * ``train_iters`` from ``--train-samples``: Megatron's ``update_train_iters`` for the run's
-  :class:`~megazero.training.batch_schedule.BatchSchedule` (constant ``samples // B``; step
+  :class:`~megazero.config.batch_schedule.BatchSchedule` (constant ``samples // B``; step
   schedule: iterations until ``samples`` are consumed; ramp-up: Megatron-LM core_v0.17.1's count)
 * ``lr_decay_iters``: ``train_iters`` unless given; ``params_dtype``; ``distributed_backend``
 
-Batch-size schedules (:mod:`megazero.training.batch_schedule`): ``--step-batch-size-schedule``
+Batch-size schedules (:mod:`megazero.config.batch_schedule`): ``--step-batch-size-schedule``
 (Megatron core_v0.19.0) and ``--rampup-batch-size START INCR SAMPLES`` (Megatron core_v0.17.1, the
 last release that honours it; it needs ``--train-samples`` there and here). Every size the run
 will see must divide by ``micro_batch * DP``: checked here, naming the flag.
@@ -23,14 +23,13 @@ will see must divide by ``micro_batch * DP``: checked here, naming the flag.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
-from megazero.run_checks import check_required, check_run, check_values
-
-from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule
+from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
+from megazero.config.run_checks import check_required, check_run, check_values
+from megazero.parallel.launch import current_rank
 
 
 
@@ -47,7 +46,6 @@ def derive(args) -> None:
     if args.micro_batch_size and args.global_batch_size:
         args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     if args.train_iters is None and args.train_samples is not None and args.micro_batch_size:
-        from megazero.training.batch_schedule import BatchSchedule  # pure arithmetic; imported when used
         args.train_iters = BatchSchedule.from_args(args).train_iters(args.train_samples)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
@@ -171,14 +169,13 @@ def _validate_schedule(err, args) -> None:
 
 
 def _validate_batch_schedule(err, args) -> None:
-    """--step-batch-size-schedule / --rampup-batch-size (:mod:`megazero.training.batch_schedule`):
+    """--step-batch-size-schedule / --rampup-batch-size (:mod:`megazero.config.batch_schedule`):
     well formed; ramp-up only in a --train-samples run and not with a step schedule (Megatron-LM
     core_v0.17.1 ``validate_args``); a step schedule with --global-batch-size only when they agree
     (Megatron refuses the pair; its own GPT-3 example passes both, with the schedule's final
     size); every size the run will see divisible by micro-batch x DP. ``--global-batch-size``
     keeps Megatron's meaning (default micro-batch x DP): the evaluation batch and the unit of
     ``--lr-decay-iters``/``--lr-warmup-iters``; the ramp-up's final size."""
-    from megazero.training.batch_schedule import BatchSchedule, parse_batch_schedule  # pure arithmetic
     text, rampup = args.step_batch_size_schedule, args.rampup_batch_size
     if text is None and rampup is None:
         return
@@ -272,6 +269,5 @@ def validate(parser, args, training: bool = False, extra_checks=(), problems=())
     in one line; warn-and-fix where Megatron does. ``training``: also require what a training run
     needs (``pretrain_gpt.py``)."""
     report(parser, list(problems) + problems_of(args, training, extra_checks))
-    if args.rampup_batch_size is not None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        from megazero.training.batch_schedule import BatchSchedule
+    if args.rampup_batch_size is not None and current_rank() == 0:
         print(BatchSchedule.from_args(args, data_parallel_size=1).describe(), flush=True)  # core_v0.18+ ignores it

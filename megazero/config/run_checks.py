@@ -1,4 +1,4 @@
-"""What a run's values must be, checked with the flags (:func:`megazero.args_checks.validate`):
+"""What a run's values must be, checked with the flags (:func:`megazero.config.checks.validate`):
 counts that must be positive and rates that must not be negative, precision and ZeRO knobs, the
 tokenizer's name, and what a training run cannot start without (Megatron asserts these in
 ``validate_args``). Each check is ``check(err, args)``; ``err`` records one problem."""
@@ -10,7 +10,7 @@ import warnings
 
 from megazero.data.gpt_dataset import parse_split
 from megazero.data.indexed_dataset import DataError
-from megazero.path_checks import readable_file_problem
+from megazero.config.path_checks import readable_file_problem
 
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
               "HuggingFaceTokenizer", "NullTokenizer")  # = megazero.data.tokenizers.TOKENIZER_TYPES
@@ -76,7 +76,7 @@ def check_required(err, args) -> None:
 
 
 def early_problems(args) -> list[str]:
-    """Problems found before the checks of :mod:`megazero.args_checks`: an unreadable
+    """Problems found before the checks of :mod:`megazero.config.checks`: an unreadable
     ``--data-args-path`` (then not read), a query-group count without its switch or vice versa."""
     problems = []
     if args.data_args_path and readable_file_problem("--data-args-path", args.data_args_path):
