@@ -76,7 +76,7 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
     from megazero.parallel.topology import Topology
     from megazero.training.build import build_configs
     from megazero.training.data import MockGPTDataset
-    config, _ = build_configs(args)
+    config = build_configs(args).model
     model = GPTModel(config, Topology(world, rank).create_groups())
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh

@@ -37,12 +37,12 @@ def test_derived_values():
                "--num-layers-per-virtual-pipeline-stage", "1", "--vocab-size", "1000", "--bf16"])
     assert a.data_parallel_size == 2 and a.num_micro_batches == 4
     assert a.virtual_pipeline_model_parallel_size == 2
-    model, _ = build_configs(a)  # the model's derived sizes live in the frozen GPTConfig
+    model = build_configs(a).model  # the model's derived sizes live in the frozen GPTConfig
     assert model.padded_vocab(2) == 1024 and pad_vocab_size(50257, 128, 8) == 51200
     assert a.params_dtype == torch.bfloat16 and a.accumulate_allreduce_grads_in_fp32
     assert model.ffn_hidden_size == 256 and model.kv_channels == 16 and model.num_query_groups == 4
     assert model.max_position_embeddings == 32 and a.lr_decay_iters is None
-    assert build_configs(parse(["--swiglu", "--hidden-size", "384", "--vocab-size", "10"]))[0].ffn_hidden_size == 1024
+    assert build_configs(parse(["--swiglu", "--hidden-size", "384", "--vocab-size", "10"])).model.ffn_hidden_size == 1024
     assert parse(["--fp16"]).params_dtype == torch.float16
     assert parse([]).params_dtype == torch.float32
 

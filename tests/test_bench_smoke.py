@@ -62,7 +62,7 @@ def test_flops_formula_matches_6n_plus_attention_for_the_default_model():
         arch, tiny, micro_batch_size, num_micro_batches, warmup, steps = "llama", False, 1, 1, 0, 1
         zero_stage, dtype, recompute = 1, "bf16", None
     args = parse_args(mfu.megatron_argv(A), world_size=1)
-    config, _ = build_configs(args)
+    config = build_configs(args).model
     per_token = model_flops_per_iteration(config, args.global_batch_size) / args.seq_length
     h, s, L, f, V = 2048, 2048, 24, config.ffn_hidden_size, config.padded_vocab(1)
     n = L * (4 * h * h + 3 * h * f) + 2 * V * h  # untied: input + output matrices

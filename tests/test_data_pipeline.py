@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megazero.data.samplers import PretrainingSampler, ReadAhead, collate, get_tokens_and_labels
-from megazero.training.data import (MICRO_BATCH_KEYS, DocumentMasks, MicroBatchSource, MockGPTDataset,
-                                    stage_keys)
+from megazero.model.stages import GPTInputKeys
+from megazero.training.data import MICRO_BATCH_KEYS, DocumentMasks, MicroBatchSource, MockGPTDataset
 
 S, MBS, V = 12, 2, 7  # small vocabulary: eod (V - 1) occurs often, so the masks have documents
 
@@ -58,6 +58,11 @@ class CountingDataset(MockGPTDataset):
 
 def topo(dp=1, dp_rank=0, pp=1, pp_rank=0):
     return SimpleNamespace(dp=dp, dp_rank=dp_rank, is_first_stage=pp_rank == 0, is_last_stage=pp_rank == pp - 1)
+
+
+def stage_keys(t, masks=None, rope=False) -> frozenset:
+    """The GPT stages' ``input_keys`` (``ModelStages``) for topology ``t`` and these masks."""
+    return GPTInputKeys(t.is_first_stage, t.is_last_stage, rope)(masks.per_document if masks else frozenset())
 
 
 def source(ds, consumed, t, **kw):

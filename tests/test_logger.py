@@ -6,6 +6,7 @@ import types
 from types import SimpleNamespace
 
 from megazero.model import GPTConfig
+from megazero.config.configs import WandbConfig
 from megazero.training.logger import (TensorBoardLogger, iteration_line, model_flops_per_iteration, open_wandb,
                                      validation_line)
 
@@ -67,17 +68,20 @@ class FakeWandb(types.ModuleType):
 
 
 def _wandb_args(tmp_path, **kw):
-    return SimpleNamespace(**{"wandb_project": "proj", "wandb_exp_name": "run1", "wandb_save_dir": None,
-                              "wandb_entity": None, "save": str(tmp_path / "ck"), "lr": 0.1, **kw})
+    """open_wandb's (W&B settings, --save, the flags) for these Megatron-named values."""
+    a = {"wandb_project": "proj", "wandb_exp_name": "run1", "wandb_save_dir": None, "wandb_entity": None,
+         "save": str(tmp_path / "ck"), "lr": 0.1, **kw}
+    return (WandbConfig(project=a["wandb_project"], exp_name=a["wandb_exp_name"], save_dir=a["wandb_save_dir"],
+                        entity=a["wandb_entity"]), a["save"], a)
 
 
 def test_wandb_writer_on_the_last_rank_with_megatrons_names(tmp_path, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = _wandb_args(tmp_path, wandb_entity="team")
-    assert open_wandb(args, rank=0, world_size=4) is None and open_wandb(args, rank=2, world_size=4) is None
+    assert open_wandb(*args, rank=0, world_size=4) is None and open_wandb(*args, rank=2, world_size=4) is None
     assert fake.calls == []
-    run = open_wandb(args, rank=3, world_size=4)
+    run = open_wandb(*args, rank=3, world_size=4)
     (kind, kwargs), = fake.calls
     assert kind == "init" and kwargs["dir"] == str(tmp_path / "ck" / "wandb") and (tmp_path / "ck" / "wandb").is_dir()
     assert (kwargs["name"], kwargs["project"], kwargs["entity"], kwargs["config"]["lr"]) == ("run1", "proj", "team", 0.1)
@@ -85,15 +89,15 @@ def test_wandb_writer_on_the_last_rank_with_megatrons_names(tmp_path, monkeypatc
     tb.scalars({"lm loss": 2.5, "grad-norm": None, "params-norm": 3.0}, iteration=7, consumed_samples=56)
     tb.close()
     assert fake.calls[1:] == [("log", {"lm loss": 2.5, "params-norm": 3.0, "samples vs steps": 56}, 7), ("finish",)]
-    open_wandb(_wandb_args(tmp_path, wandb_save_dir=str(tmp_path / "w")), rank=0, world_size=1)
+    open_wandb(*_wandb_args(tmp_path, wandb_save_dir=str(tmp_path / "w")), rank=0, world_size=1)
     assert fake.calls[-1][1]["dir"] == str(tmp_path / "w")
 
 
 def test_wandb_not_installed_is_one_rank0_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     lines = []
-    assert open_wandb(_wandb_args(tmp_path), rank=0, world_size=2, print_fn=lines.append) is None
-    assert open_wandb(_wandb_args(tmp_path), rank=1, world_size=2, print_fn=lines.append) is None
+    assert open_wandb(*_wandb_args(tmp_path), rank=0, world_size=2, print_fn=lines.append) is None
+    assert open_wandb(*_wandb_args(tmp_path), rank=1, world_size=2, print_fn=lines.append) is None
     assert len(lines) == 1 and "the wandb package is not installed, nothing is sent" in lines[0]
-    assert open_wandb(_wandb_args(tmp_path, wandb_project=None), rank=0, world_size=1, print_fn=lines.append) is None
+    assert open_wandb(*_wandb_args(tmp_path, wandb_project=None), rank=0, world_size=1, print_fn=lines.append) is None
     assert len(lines) == 1

@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megazero.config.run_config import lr_config
 from megazero.training.lr_schedule import DeepSpeedLRScheduler, LRScheduler, build_lr_scheduler
 
 
@@ -90,24 +91,26 @@ def test_deepspeed_state_and_errors():
 def test_build_lr_scheduler_picks_the_schedule():
     base = dict(lr=0.3, min_lr=0.0, lr_warmup_iters=2, lr_decay_iters=10, lr_decay_style="constant",
                 train_iters=10, train_samples=None, global_batch_size=4, lr_warmup_fraction=None, lr_warmup_init=0.0,
-                override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
-    megatron = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler=None))
+                override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False,
+                lr_decay_samples=None, lr_warmup_samples=0, decoupled_lr=None, decoupled_min_lr=None)
+    megatron = build_lr_scheduler(lr_config(SimpleNamespace(**base, deepspeed_scheduler=None)))
     # Megatron counts samples: 2 warm-up iterations of 4 samples = 8; one step (4 samples) in: half the peak
     assert isinstance(megatron, LRScheduler) and megatron.get_lr(4) == 0.15
-    ds = build_lr_scheduler(SimpleNamespace(**base, deepspeed_scheduler={
+    ds = build_lr_scheduler(lr_config(SimpleNamespace(**base, deepspeed_scheduler={
         "type": "WarmupLR", "warmup_min_lr": 0.0, "warmup_max_lr": 0.3, "warmup_num_steps": 2,
-        "warmup_type": "linear"}))
+        "warmup_type": "linear"})))
     assert isinstance(ds, DeepSpeedLRScheduler) and [ds.get_lr(n) for n in (1, 2, 3)] == [0.0, 0.15, 0.3]
     with pytest.raises(ValueError, match="--lr is required"):
-        build_lr_scheduler(SimpleNamespace(**{**base, "lr": None}, deepspeed_scheduler=None))
+        build_lr_scheduler(lr_config(SimpleNamespace(**{**base, "lr": None}, deepspeed_scheduler=None)))
 
 
 def megatron_args(**changes):
     base = dict(lr=1.0, min_lr=0.1, lr_warmup_iters=0, lr_decay_iters=None, lr_decay_style="linear", train_iters=10,
                 train_samples=None, lr_decay_samples=None, lr_warmup_samples=0, global_batch_size=8,
                 lr_warmup_fraction=None, lr_warmup_init=0.0, override_opt_param_scheduler=False,
-                use_checkpoint_opt_param_scheduler=False, deepspeed_scheduler=None)
-    return SimpleNamespace(**{**base, **changes})
+                use_checkpoint_opt_param_scheduler=False, deepspeed_scheduler=None, decoupled_lr=None,
+                decoupled_min_lr=None)
+    return lr_config(SimpleNamespace(**{**base, **changes}))
 
 
 def test_megatron_schedule_in_samples_fraction_and_init():

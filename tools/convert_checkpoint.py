@@ -44,7 +44,6 @@ import json
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -77,7 +76,7 @@ def to_fp32(load: str, output: str, iteration: int | None = None) -> dict:
 def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None = None,
           dtype: str = "float32") -> str:
     from megazero.data.hf_tokenizer import export_tokenizer_files
-    from megazero.data.tokenizers import build_tokenizer, saved_tokenizer_flags
+    from megazero.data.tokenizers import TokenizerConfig, build_tokenizer, saved_tokenizer_flags
     reader = CheckpointReader(load, iteration)
     config = GPTConfig.from_saved_args(reader.args)
     arch = arch or hfmap.arch_of_config(config)
@@ -86,7 +85,7 @@ def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None
     os.makedirs(output, exist_ok=True)
     flags = saved_tokenizer_flags(reader.args, load)
     if flags and export_tokenizer_files(flags, output):
-        tok = build_tokenizer(SimpleNamespace(**flags, vocab_size=reader.args.get("vocab_size")))
+        tok = build_tokenizer(TokenizerConfig.from_flags({**flags, "vocab_size": reader.args.get("vocab_size")}))
         cfg.update({k: v for k, v in (("bos_token_id", getattr(tok, "bos", None)), ("eos_token_id", tok.eod))
                     if v is not None and v >= 0})
     _stream_hf(reader, config, arch, kind, target, os.path.join(output, "model.safetensors"))

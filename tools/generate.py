@@ -165,9 +165,7 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
 def build_tokenizer_from(saved: dict, args, load_dir: str):
     """The tokenizer: the checkpoint's recorded one (paths relative to ``load_dir`` resolved, see
     ``saved_tokenizer_flags``), or ``--tokenizer-type``; explicit file flags override paths."""
-    from types import SimpleNamespace
-
-    from megazero.data.tokenizers import build_tokenizer, saved_tokenizer_flags
+    from megazero.data.tokenizers import TokenizerConfig, build_tokenizer, saved_tokenizer_flags
     t = saved_tokenizer_flags(saved, load_dir)
     if args.tokenizer_type is not None and args.tokenizer_type != t.get("tokenizer_type"):
         t = {"tokenizer_type": args.tokenizer_type}
@@ -178,7 +176,7 @@ def build_tokenizer_from(saved: dict, args, load_dir: str):
         raise SystemExit(f"{load_dir}: the checkpoint records no tokenizer; pass --tokenizer-type (and its "
                          "files), or --tokenizer-type NullTokenizer to give prompts as ids")
     t["vocab_size"] = args.vocab_size if args.vocab_size is not None else saved.get("vocab_size")
-    return build_tokenizer(SimpleNamespace(**t))
+    return build_tokenizer(TokenizerConfig.from_flags(t))
 
 
 def main(argv=None) -> list[str]:

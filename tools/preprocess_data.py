@@ -39,7 +39,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
-from megazero.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megazero.data.tokenizers import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer  # noqa: E402
 from megazero.config.failures import debug_requested, describe  # noqa: E402
 
 BATCH_LINES = 64
@@ -78,7 +78,7 @@ class LineEncoder:
 
     def __init__(self, args):
         self.keys, self.append_eod = list(args.json_keys), args.append_eod
-        self.tokenizer = build_tokenizer(args)
+        self.tokenizer = build_tokenizer(TokenizerConfig.from_flags(vars(args)))
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
 
     def _parse(self, line: bytes) -> list[str]:
@@ -221,7 +221,7 @@ def preprocess(args) -> dict:
     A bad line without ``--skip-bad-lines`` raises SystemExit("error: FILE:LINE: what"); on any
     failure the temporary outputs are removed and earlier outputs are left untouched.
     """
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(TokenizerConfig.from_flags(vars(args)))
     if args.append_eod and (tokenizer.eod is None or tokenizer.eod < 0):
         raise SystemExit(f"error: --append-eod: the {args.tokenizer_type} has no eod (eos) token")
     dtype = optimal_dtype(tokenizer.vocab_size)

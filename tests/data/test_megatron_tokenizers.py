@@ -1,7 +1,6 @@
 """Megatron-LM's tokenizer types (tokenizer.py of tag core_v0.13.0): SentencePieceTokenizer's
 special ids, GPTSentencePieceTokenizer, Llama2Tokenizer, HuggingFaceTokenizer (ids equal
 ``transformers.AutoTokenizer``'s on the bundled corpus), and preprocess_data.py with each."""
-import argparse
 import sys
 
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 
 from megazero.data import IndexedDataset
 from megazero.data.tokenizers import (GPTSentencePieceTokenizer, HuggingFaceTokenizer, Llama2Tokenizer,
-                                      SentencePieceTokenizer, build_tokenizer)
+                                      SentencePieceTokenizer, TokenizerConfig, build_tokenizer)
 from tests import hf_fixtures
 from tests.data.conftest import TRICKY, kjv_texts
 
@@ -54,7 +53,7 @@ def test_sentencepiece_flavours_equal_sentencepiece_on_corpus(sp_model, corpus):
 
 def test_huggingface_tokenizer_equals_autotokenizer(hf_llama_dir, corpus):
     ref = transformers.AutoTokenizer.from_pretrained(hf_llama_dir)
-    tok = build_tokenizer(argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf_llama_dir))
+    tok = build_tokenizer(TokenizerConfig(type="HuggingFaceTokenizer", model=hf_llama_dir))
     assert isinstance(tok, HuggingFaceTokenizer)
     assert tok.tokenize_batch(corpus) == ref(corpus).input_ids
     assert (tok.vocab_size, tok.eod, tok.bos) == (len(ref), ref.eos_token_id, ref.bos_token_id) == (500, 1, 0)
@@ -98,7 +97,7 @@ def test_preprocess_with_each_type(tmp_path, tool, small_corpus, sp_model, hf_ll
     r = tool("preprocess_data.py", "--input", small_corpus[0], "--output-prefix", prefix, "--tokenizer-type",
              kind, "--tokenizer-model", model, "--append-eod", "--workers", "2")
     assert r.returncode == 0, r.stderr
-    tok = build_tokenizer(argparse.Namespace(tokenizer_type=kind, tokenizer_model=model))
+    tok = build_tokenizer(TokenizerConfig(type=kind, model=model))
     ds = IndexedDataset(prefix + "_text_document")
     docs = [d for d in small_corpus[1] if tok.tokenize(d)]
     assert len(ds) == len(docs)

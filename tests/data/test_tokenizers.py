@@ -1,6 +1,5 @@
 """Tokenizers: GPT-2 byte-level BPE exactness, sentencepiece eod, NullTokenizer, factory
 (Megatron's other types: test_megatron_tokenizers.py)."""
-import argparse
 import json
 import random
 
@@ -8,7 +7,8 @@ import pytest
 import regex
 
 from megazero.data.tokenizers import (GPT2_PATTERN, GPT2BPETokenizer, NullTokenizer,
-                                      SentencePieceTokenizer, build_tokenizer, bytes_to_unicode)
+                                      SentencePieceTokenizer, TokenizerConfig, build_tokenizer,
+                                      bytes_to_unicode)
 
 
 def test_byte_table_is_gpt2s():
@@ -120,7 +120,8 @@ def test_null_tokenizer():
 
 
 def test_build_tokenizer(sp_model, gpt2_files):
-    ns = argparse.Namespace
+    def ns(**flags):  # Megatron's flag names
+        return TokenizerConfig.from_flags(flags)
     assert isinstance(build_tokenizer(ns(tokenizer_type="SentencePieceTokenizer",
                                          tokenizer_model=sp_model)), SentencePieceTokenizer)
     assert isinstance(build_tokenizer(ns(tokenizer_type="GPT2BPETokenizer",

@@ -156,13 +156,19 @@ def test_validation(capsys):
 def test_sample_counts_as_megatron():
     """get_train_valid_test_num_samples: train = --train-samples (or iters x B), raised to what the
     schedule consumes; valid = (iters // eval_interval + 1) x eval_iters x B; test = eval_iters x B."""
+    from megazero.config.configs import LRConfig, ScheduleConfig
     from megazero.training.data import sample_counts
+
+    def schedule(a):  # the ScheduleConfig of a namespace holding only what sample_counts reads
+        return ScheduleConfig(train_iters=a.train_iters, batches=BatchSchedule.from_args(a),
+                              global_batch_size=a.global_batch_size, num_micro_batches=1, lr=LRConfig(None),
+                              train_samples=a.train_samples, eval_iters=a.eval_iters, eval_interval=a.eval_interval)
     args = SimpleNamespace(micro_batch_size=1, data_parallel_size=2, global_batch_size=8, step_batch_size_schedule=None,
                            rampup_batch_size=None, seq_length=10, train_samples=100, train_iters=12,
                            eval_interval=5, eval_iters=2)
-    assert sample_counts(args) == (100, 3 * 2 * 8, 16)  # 12 iterations of 8 use 96 of Megatron's 100
+    assert sample_counts(schedule(args)) == (100, 3 * 2 * 8, 16)  # 12 iterations of 8 use 96 of Megatron's 100
     ramped = SimpleNamespace(**{**vars(args), "rampup_batch_size": [2, 2, 100], "train_iters": 32})
-    assert sample_counts(ramped)[0] == 108  # the ramp's last iteration (c = 100 <= R) passes T, as Megatron's loop
+    assert sample_counts(schedule(ramped))[0] == 108  # the ramp's last iteration (c = 100 <= R) passes T, as Megatron's loop
     stepped = SimpleNamespace(**{**vars(args), "train_samples": None, "train_iters": 30, "global_batch_size": 4,
                                  "step_batch_size_schedule": "0:4 1K:16"})
-    assert sample_counts(stepped)[0] == 25 * 4 + 5 * 16  # > Megatron's count 30 x 4
+    assert sample_counts(schedule(stepped))[0] == 25 * 4 + 5 * 16  # > Megatron's count 30 x 4

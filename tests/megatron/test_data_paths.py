@@ -13,6 +13,7 @@ import pytest
 
 from megazero.arguments import parse_args
 from megazero.data import IndexedDatasetBuilder
+from megazero.config.run_config import data_config, schedule_config
 from megazero.training.data import build_datasets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +42,13 @@ def per_split_flags(tmp_path):
 
 def test_each_split_reads_its_own_prefixes(tmp_path):
     args = parse_args(BASE + per_split_flags(tmp_path), world_size=1)
-    train, valid, test = build_datasets(args, 100)
+    train, valid, test = build_datasets(data_config(args), schedule_config(args), 100)
     assert (len(train), len(valid), len(test)) == (6, 2 * 2, 2)  # 3 x B; (3 // 2 + 1) evals x B; 1 x B
     for ds, low in ((train, 0), (valid, 30), (test, 60)):
         ids = np.concatenate([ds[i]["text"] for i in range(len(ds))])
         assert ids.min() >= low and ids.max() < low + 30
     no_test = parse_args(BASE + per_split_flags(tmp_path)[:5] + per_split_flags(tmp_path)[7:], world_size=1)
-    assert build_datasets(no_test, 100)[2] is None
+    assert build_datasets(data_config(no_test), schedule_config(no_test), 100)[2] is None
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -13,6 +13,7 @@ from megazero.model import GPTConfig, GPTModel
 from megazero.model.stages import embedding_and_output_params
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
+from megazero.config.run_config import lr_config
 from megazero.training.lr_schedule import LRScheduler, build_lr_scheduler, learning_rates
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -23,16 +24,16 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def test_schedule_shape_with_other_peak_and_floor():
     args = parse_args(ARGV + ["--decoupled-lr", "5e-3", "--decoupled-min-lr", "2e-4"], world_size=1)
-    sched = build_lr_scheduler(args)
+    sched = build_lr_scheduler(lr_config(args))
     sched.num_steps = 4  # half-way through the warm-up
-    assert learning_rates(sched, args) == pytest.approx((0.5e-3, 2.5e-3))
+    assert learning_rates(sched, lr_config(args)) == pytest.approx((0.5e-3, 2.5e-3))
     sched.num_steps = 20  # (20 - 8) / (32 - 8) = 1/2 of the cosine: floor + (peak - floor) / 2
-    assert learning_rates(sched, args) == pytest.approx((0.55e-3, 2.6e-3))
+    assert learning_rates(sched, lr_config(args)) == pytest.approx((0.55e-3, 2.6e-3))
     sched.num_steps = 40
-    assert learning_rates(sched, args) == pytest.approx((1e-4, 2e-4))
+    assert learning_rates(sched, lr_config(args)) == pytest.approx((1e-4, 2e-4))
     no_floor = args.replace(decoupled_min_lr=None)
-    assert learning_rates(sched, no_floor)[1] == pytest.approx(1e-4)  # --min-lr
-    assert learning_rates(sched, args.replace(decoupled_lr=None)) == (pytest.approx(1e-4), None)
+    assert learning_rates(sched, lr_config(no_floor))[1] == pytest.approx(1e-4)  # --min-lr
+    assert learning_rates(sched, lr_config(args.replace(decoupled_lr=None))) == (pytest.approx(1e-4), None)
     r = 0.25
     sched.num_steps = 8 + r * 24
     assert sched.get_lr(max_lr=5e-3, min_lr=2e-4) == pytest.approx(2e-4 + 0.5 * (math.cos(math.pi * r) + 1) * 4.8e-3)

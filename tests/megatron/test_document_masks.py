@@ -17,6 +17,7 @@ from megazero.model.stages import gpt_forward_step
 from megazero.parallel.topology import Topology
 from megazero.tensor_parallel import gather_from_tp_region
 from megazero.testing import run_distributed
+from megazero.config.run_config import data_config
 from megazero.training.data import DocumentMasks
 
 ALL = DocumentMasks(eod=9, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
@@ -67,9 +68,9 @@ def test_flags_reach_document_masks():
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "100"]
-    assert DocumentMasks.from_args(parse_args(argv, world_size=1), 100) is None
+    assert DocumentMasks.from_config(data_config(parse_args(argv, world_size=1)), 100) is None
     args = parse_args(argv + ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"], world_size=1)
-    assert DocumentMasks.from_args(args, 100) == DocumentMasks(99, True, True, True)
+    assert DocumentMasks.from_config(data_config(args), 100) == DocumentMasks(99, True, True, True)
 
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=50, seq_length=12,

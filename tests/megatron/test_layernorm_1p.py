@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megazero.arguments import parse_args
+from megazero.config.model import gpt_config
 from megazero.model import GPTConfig, GPTModel
 from megazero.model.config import replace_config
 
@@ -47,7 +48,7 @@ def test_flag_reaches_the_config_and_meta_init():
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--mock-data", "--vocab-size", "100", "--apply-layernorm-1p"]
     args = parse_args(argv, world_size=1)
-    cfg = GPTConfig.from_args(args)
+    cfg = gpt_config(args)
     assert cfg.apply_layernorm_1p and cfg.to_args()["apply_layernorm_1p"] is True
     assert GPTConfig.from_saved_args(cfg.to_args()).apply_layernorm_1p
     meta = GPTModel(cfg, device="cpu", meta_init=True)

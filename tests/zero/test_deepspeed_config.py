@@ -14,6 +14,8 @@ from megazero.arguments import parse_args
 from megazero.config.optimizer import OptimizerConfig
 from megazero.model.config import GPTConfig
 from megazero.parallel.topology import Topology
+from megazero.config.model import gpt_config
+from megazero.config.run_config import lr_config
 from megazero.training.lr_schedule import DeepSpeedLRScheduler, build_lr_scheduler
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, find_units
 from megazero.zero.adamw import adamw_step
@@ -145,7 +147,7 @@ def test_full_config_batch_optimizer_schedule_and_scaler(tmp_path, capsys):
     assert (a.initial_loss_scale, a.loss_scale, a.loss_scale_window, a.hysteresis, a.min_loss_scale) == \
         (2.0 ** 12, None, 500, 2, 1.0)
     assert (a.zero_stage, a.zero_reduce_bucket_size, a.zero_overlap_comm) == (2, 200_000_000, False)
-    s = build_lr_scheduler(a)
+    s = build_lr_scheduler(lr_config(a))
     lo, hi = 6e-5, 6e-4  # WarmupDecayLR, log warm-up over W = 100, linear decay to T = 1000
     curve = {0: lo, 1: lo, 11: lo + (hi - lo) * math.log(11) / math.log(100), 100: hi,
              551: lo + (hi - lo) * 450 / 900, 1001: lo}
@@ -182,7 +184,7 @@ def test_hf_auto_config_resolves_from_flags(tmp_path, capsys):
     assert a.bf16 and not a.fp16 and a.clip_grad == 1.0 and a.zero_reduce_bucket_size == 500_000_000
     assert a.deepspeed_scheduler == {"type": "WarmupLR", "warmup_min_lr": 0.0, "warmup_max_lr": 1e-4,
                                      "warmup_num_steps": 10, "warmup_type": "log"}
-    assert build_lr_scheduler(a).get_lr(6) == pytest.approx(1e-4 * math.log(6) / math.log(10))
+    assert build_lr_scheduler(lr_config(a)).get_lr(6) == pytest.approx(1e-4 * math.log(6) / math.log(10))
     assert "auto: " in capsys.readouterr().out
     err = fails(capsys, tmp_path, HF, [], '"auto" values', "train_batch_size (--global-batch-size)",
                 "train_micro_batch_size_per_gpu (--micro-batch-size)", "optimizer.params.lr (--lr)",
@@ -203,7 +205,7 @@ def test_seed_stage3_config_defaults(tmp_path, capsys):
     # DeepSpeed defaults, not Megatron's: no clipping; fp16 with no scaler key at ZeRO 1-3 is
     # DynamicLossScaler(): 2**32, window 1000, min 1, no hysteresis
     assert a.clip_grad == 0.0 and (a.initial_loss_scale, a.hysteresis, a.loss_scale_window) == (2.0 ** 32, 1, 1000)
-    assert a.deepspeed_scheduler is None and build_lr_scheduler(a).get_lr(0) == 1e-3  # Megatron's schedule
+    assert a.deepspeed_scheduler is None and build_lr_scheduler(lr_config(a)).get_lr(0) == 1e-3  # Megatron's schedule
     a = parse(tmp_path, {"fp16": {"enabled": True}}, ["--micro-batch-size", "2", "--lr", "1e-3"])
     assert (a.initial_loss_scale, a.hysteresis, a.zero_overlap_comm) == (2.0 ** 16, 1, False)  # stage 0
 
@@ -245,7 +247,7 @@ def test_offload_is_refused_with_the_planners_figure(tmp_path, capsys):
     cfg["zero_optimization"]["offload_optimizer"]["device"] = "none"  # accepted: nothing moves
     a = parse_args(["--deepspeed_config", write(tmp_path, cfg), *shape], world_size=4)
     assert a.zero_stage == 3 and a.num_micro_batches == 1
-    est = planner.estimate(GPTConfig.from_args(a), 1, 1, 4, 3, micro_batch_size=4, micro_batches=1, param_bytes=2,
+    est = planner.estimate(gpt_config(a), 1, 1, 4, 3, micro_batch_size=4, micro_batches=1, param_bytes=2,
                            grad_bytes=4)  # bf16 parameters, fp32 gradients
     assert "zero_optimization.offload_optimizer (device cpu): optimizer offload is not available" in err
     assert f"ZeRO stage 3 at DP 4 (TP 1, PP 1) needs {est.total_bytes / 2 ** 30:.2f} GiB per rank" in err

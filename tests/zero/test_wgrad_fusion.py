@@ -70,7 +70,6 @@ def _train(topo, data, stage, fuse):
     from megazero.model.stages import gpt_forward_step, gpt_stages
     from megazero.pipeline import PipelineRunner
     from megazero.tensor_parallel import VocabParallelEmbedding
-    from megazero.training.build import fuse_vocab_weight_grads
     from megazero.zero import ZeroOptimizer
     config = GPTConfig(**CFG, params_dtype=torch.bfloat16)
     stages = gpt_stages(config, topo, MB)
@@ -80,7 +79,7 @@ def _train(topo, data, stage, fuse):
                         shared_params=stages.shared_params, tp_duplicated_params=stages.tp_duplicated_params)
     assert opt.fuses_weight_grads
     if fuse:
-        fuse_vocab_weight_grads(stages.chunks, opt)
+        stages.fuse_vocab_grads(opt.add_weight_grad, opt.add_embedding_grad)
     heads = [getattr(c, "output_layer", None) for c in stages.chunks]
     tables = [m.weight for c in stages.chunks for m in c.modules()  # the vocabulary matrices this rank holds
               if (isinstance(m, VocabParallelEmbedding) or m in heads) and m.weight is not None]
