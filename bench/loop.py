@@ -66,18 +66,17 @@ def _megazero(a, world: int, stage: int, log_interval: int):
         with contextlib.redirect_stdout(buf):
             trainer.train(None)
         return sum(" iteration " in line for line in buf.getvalue().splitlines())
-    return run, trainer.args
+    return run, trainer.config
 
 
-def _peer(a, world: int, rank: int, args, fsdp: bool):
+def _peer(a, world: int, rank: int, config, fsdp: bool):
     """The bare loop on megazero's own ``GPTModel`` (TP = PP = 1, same weights); ``run(L)``."""
     from megazero.data.samplers import PretrainingSampler, collate, get_tokens_and_labels
     from megazero.model import GPTModel
     from megazero.parallel.topology import Topology
-    from megazero.training.build import build_configs
     from megazero.training.data import MockGPTDataset
-    config = build_configs(args).model
-    model = GPTModel(config, Topology(world, rank).create_groups())
+    data, schedule = config.data, config.schedule
+    model = GPTModel(config.model, Topology(world, rank).create_groups())
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -89,9 +88,10 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
-    m = args.num_micro_batches
-    dataset = MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, args.vocab_size, args.seed)
-    position_ids = torch.arange(args.seq_length).unsqueeze(0).expand(args.micro_batch_size, -1)
+    m = schedule.num_micro_batches
+    dataset = MockGPTDataset(schedule.train_iters * schedule.global_batch_size, data.seq_length, data.vocab_size,
+                             data.seed)
+    position_ids = torch.arange(data.seq_length).unsqueeze(0).expand(data.micro_batch_size, -1)
     state = {"iteration": 0, "losses": []}
     sink = io.StringIO()  # the log line's destination (megazero's is captured the same way)
 
@@ -106,7 +106,7 @@ def _peer(a, world: int, rank: int, args, fsdp: bool):
     def samples():
         """Megatron's sampler from sample 0, again and again: each system reads what megazero reads."""
         while True:
-            yield from PretrainingSampler(len(dataset), 0, args.micro_batch_size, rank, world)
+            yield from PretrainingSampler(len(dataset), 0, data.micro_batch_size, rank, world)
 
     def run(log_interval: int, indices) -> int:
         printed = 0
@@ -152,10 +152,10 @@ def _bench(rank, world, a):
     systems, peers = [], {}
     for stage in a.stage:
         for li in a.log_interval:
-            mz, args = _megazero(a, world, stage, li)
+            mz, config = _megazero(a, world, stage, li)
             kind = "fsdp2" if stage == 3 else "ddp"
             if kind not in peers:
-                peers[kind] = _peer(a, world, rank, args, fsdp=stage == 3)
+                peers[kind] = _peer(a, world, rank, config, fsdp=stage == 3)
             peer, samples = peers[kind]
             systems.append((stage, li, kind, mz, lambda peer=peer, li=li, it=samples(): peer(li, it)))
     times = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}

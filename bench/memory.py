@@ -97,6 +97,8 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     from megazero.arguments import parse_args
     from megazero.checkpoint import schema
     from megazero.training import setup
+    from megazero.training.build import build_configs
+    from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero.host_memory import return_freed_memory
     peaks = {"interpreter": _rss_now()}
     if mmap_threshold:  # before anything large is allocated (megazero.zero.host_memory)
@@ -110,16 +112,18 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     with _phase(result, "step"):
         trainer.train(None)
     with _phase(result, "save"):
-        trainer.args = args.replace(save=out_dir)
+        trainer.config = build_configs(args.replace(save=out_dir))
         trainer.save()
     result["written"] = os.path.getsize(schema.rank_file(schema.iteration_dir(out_dir, 1), rank))
     with _phase(result, "load"):
-        trainer.args = args.replace(load=out_dir)
+        trainer.config = build_configs(args.replace(load=out_dir))
         trainer.load()
     result["read_load"] = trainer.load_bytes
     if prev_dir:
         with _phase(result, "reshard"):
-            trainer.args = args.replace(load=prev_dir, override_opt_param_scheduler=True)  # its batch size: DP
+            # its batch size follows its DP size: keep this run's LR schedule (the flags' settings)
+            trainer.config = build_configs(args.replace(load=prev_dir, override_opt_param_scheduler=True))
+            trainer.scheduler = build_lr_scheduler(trainer.config.schedule.lr)
             trainer.load()
         result["read_reshard"] = trainer.load_bytes
     return result

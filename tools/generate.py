@@ -109,11 +109,11 @@ def _check_values(p: argparse.ArgumentParser, args) -> None:
 
 def check_load(load_dir: str, iteration: int | None) -> None:
     """``--load`` is a folder holding a checkpoint, and ``--iteration`` one of its iterations."""
-    from megazero.checkpoint.schema import LATEST, iteration_dir
+    from megazero.checkpoint.schema import LATEST, iteration_dir, saved_iterations
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: {'not a folder' if os.path.exists(load_dir) else 'no such folder'}")
     if iteration is not None and not os.path.isdir(iteration_dir(load_dir, iteration)):
-        saved = sorted(int(n[5:]) for n in os.listdir(load_dir) if n.startswith("iter_") and n[5:].isdigit())
+        saved = saved_iterations(load_dir)
         raise CheckpointError(f"--load {load_dir} holds no iteration {iteration} (saved: "
                               f"{', '.join(map(str, saved)) or 'none'}; {LATEST} names the latest)")
 

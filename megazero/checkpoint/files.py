@@ -30,8 +30,8 @@ import torch.distributed as dist
 from megazero.checkpoint.async_writer import AsyncWriter, WriterDied
 from megazero.checkpoint.guard import space_hint
 from megazero.config.failures import describe
-from megazero.checkpoint.schema import (CheckpointError, iteration_dir, latest_file, layout_diffs, metadata_file,
-                                        rank_file)
+from megazero.checkpoint.schema import (CheckpointError, iteration_dir, iteration_glob, latest_file, layout_diffs,
+                                        metadata_file, rank_file)
 
 
 def _barrier():
@@ -140,7 +140,7 @@ def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) ->
     else:
         os.replace(tmp, final)
     _atomic_write_text(latest_file(root), f"{iteration}\n")
-    for stale in glob.glob(os.path.join(root, "iter_*.tmp")) + glob.glob(os.path.join(root, "iter_*.old")):
+    for stale in glob.glob(iteration_glob(root, ".tmp")) + glob.glob(iteration_glob(root, ".old")):
         shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-save; published now, so safe
 
 

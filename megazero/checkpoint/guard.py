@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 
-from megazero.checkpoint.schema import CheckpointError, latest_file
+from megazero.checkpoint.schema import CheckpointError, iteration_glob, latest_file
 
 LOCK_NAME = "megazero.lock"
 REFRESH_S = 30.0
@@ -64,7 +64,7 @@ def space_hint(path: str, min_free: int = 64 << 20) -> str:
 
 def holds_checkpoint(save: str) -> bool:
     return os.path.exists(latest_file(save)) or any(
-        os.path.isdir(p) and not p.endswith((".tmp", ".old")) for p in glob.glob(os.path.join(save, "iter_*")))
+        os.path.isdir(p) and not p.endswith((".tmp", ".old")) for p in glob.glob(iteration_glob(save)))
 
 
 def check_overwrite(save: str, load: str | None, overwrite: bool) -> None:

@@ -45,7 +45,7 @@ import re
 
 import torch
 
-from megazero.checkpoint.schema import CheckpointError
+from megazero.checkpoint.schema import CheckpointError, iteration_dir
 from megazero.model.config import GPTConfig
 
 __all__ = ["MegatronCheckpoint", "config_from_megatron_args", "find_rank_files", "load_megatron_file",
@@ -107,7 +107,7 @@ def find_rank_files(root: str, iteration: int | None = None) -> tuple[str, int, 
         if text != "release" and not text.isdigit():
             raise CheckpointError(f"{tracker}: {text!r} is neither an iteration nor 'release'")
         iteration = None if text == "release" else int(text)
-    directory = os.path.join(root, "release" if iteration is None else f"iter_{iteration:07d}")
+    directory = os.path.join(root, "release") if iteration is None else iteration_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory} is missing")
     ranks = {}

@@ -80,8 +80,24 @@ def latest_file(root: str) -> str:
     return os.path.join(root, LATEST)
 
 
+ITERATION_PREFIX = "iter_"  # iter_0000100/: Megatron's folder name, 7 digits
+
+
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return os.path.join(root, f"{ITERATION_PREFIX}{iteration:07d}")
+
+
+def iteration_glob(root: str, suffix: str = "") -> str:
+    """The glob pattern of ``root``'s iteration folders (``suffix`` ``.tmp``: those being written,
+    ``.old``: those being replaced)."""
+    return os.path.join(root, f"{ITERATION_PREFIX}*{suffix}")
+
+
+def saved_iterations(root: str) -> list[int]:
+    """The iterations ``root`` holds a published folder for, ascending."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    digits = [n[len(ITERATION_PREFIX):] for n in names if n.startswith(ITERATION_PREFIX)]
+    return sorted(int(d) for d in digits if d.isdigit())
 
 
 def rank_file(directory: str, rank: int) -> str:

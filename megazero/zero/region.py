@@ -291,11 +291,6 @@ class Region:
             return cache[id(p)][kind].reshape(-1)[a:b]
         self.load_ranges(fetch)
 
-    def load_param_shard(self, shard: torch.Tensor) -> None:
-        """Stage 3: this rank's parameter shard as saved (params dtype); the master follows it."""
-        self.param_shard.copy_(shard)
-        self.master.copy_(self.param_shard)
-
     def describe(self, name_of: dict) -> dict:
         """``{"params": [[name, offset, numel], ...], "padded", "shard_lo", "shard_len",
         "partitioned"}`` (``name_of``: id(param) -> name; ``partitioned``: stage-3 unit whose

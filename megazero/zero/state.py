@@ -29,14 +29,6 @@ class ShardState:
         whole. Nothing is gathered."""
         return [(r.param_shard.clone() if copy else r.param_shard) if r.partitioned else None for r in self.regions]
 
-    def load_param_shards(self, shards) -> None:
-        """Inverse of :meth:`param_shards` (same layout): parameter and master shards of the
-        partitioned regions; the regions kept whole are left to the caller (then
-        :meth:`reload_model_params`)."""
-        for r, shard in zip(self.regions, shards):
-            if r.partitioned:
-                r.load_param_shard(shard)
-
     @torch.no_grad()
     def load_param_ranges(self, fetch, kinds=("master", "exp_avg", "exp_avg_sq")) -> None:
         """Fill every region's shard from ``fetch(param, kind, a, b)`` (elements ``[a, b)`` of the

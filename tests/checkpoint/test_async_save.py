@@ -170,11 +170,13 @@ def test_the_packed_agreement_says_whether_any_rank_is_still_writing():
 
 def _publications(rank, world_size, argv):
     from megazero.training import setup
+    from megazero.training.build import build_configs
     args = parse_args(argv, world_size=world_size)
     trainer = setup(args)
-    trainer.args = args.replace(train_iters=6)
+    config = trainer.config
+    trainer.config = build_configs(args.replace(train_iters=6))
     trainer.train(None)  # saves at 6 when it ends: the writer has started (torch imported) by then
-    trainer.args = args
+    trainer.config = config
     trainer.train(None)
     return trainer.publications
 

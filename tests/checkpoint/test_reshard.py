@@ -23,12 +23,14 @@ def _run(rank, world_size, argv, save_at_load=None, train=True):
 
     from megazero.training.signals import ExitSignal
     from megazero.training import setup
+    from megazero.training.build import build_configs
     args = parse_args(argv, world_size=world_size)
     trainer = setup(args)
     if save_at_load:  # the same trainer, saving to another folder
-        trainer.args = args.replace(save=save_at_load)
+        config = trainer.config
+        trainer.config = build_configs(args.replace(save=save_at_load))
         trainer.save()
-        trainer.args = args
+        trainer.config = config
     if train:
         trainer.train(ExitSignal.install((signal.SIGUSR1,)))
         return trainer.history
