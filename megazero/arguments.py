@@ -1,12 +1,15 @@
 """The door: every command-line flag (Megatron-LM's names and meanings), validated and derived.
 
-The flags wing lives behind it in :mod:`megazero.config` (the flag groups, Megatron's flag table,
-the DeepSpeed config reader, the checks, the typed configs). ``parse_args(argv)`` parses, merges an optional DeepSpeed JSON config (``--deepspeed-config``,
-read as DeepSpeed reads it by :mod:`megazero.config.deepspeed_config`), validates and derives, all before any
-process group exists. Invalid input exits with status 2 and one ``prog: error: A; B; ...`` line
-that names the flags, paths and numbers of every problem found. Nothing here has side effects beyond reading the config file.
+The flags wing lives behind it in :mod:`megazero.config`: the flag groups, Megatron's flag table,
+the DeepSpeed config reader, the checks and the typed configs. ``parse_args(argv)`` parses,
+resolves Megatron's aliases (:func:`megazero.config.checks.resolve_aliases`), merges an optional
+DeepSpeed JSON config (``--deepspeed-config``, read as DeepSpeed reads it by
+:mod:`megazero.config.deepspeed_config`), validates and derives, all before any process group
+exists. Invalid input exits with status 2 and one ``prog: error: A; B; ...`` line that names the
+flags, paths and numbers of every problem found. Nothing here has side effects beyond reading
+the config file (and ``--data-args-path``).
 
-Derived values, computed only in :func:`derive` (called by ``parse_args``):
+Derived values, computed only in :func:`megazero.config.checks.derive` (called by ``parse_args``):
 
 * ``world_size``                      -- from ``WORLD_SIZE`` / ``SLURM_NTASKS`` (default 1)
 * ``data_parallel_size``              -- ``world / (TP * PP)``
@@ -17,7 +20,9 @@ Derived values, computed only in :func:`derive` (called by ``parse_args``):
 
 The model's own derived sizes (FFN size, head size, query groups, the padded vocabulary) are
 not written here: :class:`megazero.model.GPTConfig` derives them, once, when the run's configs
-are built (``megazero.training.build``), after the tokenizer has given the vocabulary size.
+are built (``megazero.training.build.build_configs``), after the tokenizer has given the
+vocabulary size. Nothing but that function and this package reads the namespace: the rest of
+megazero takes the typed configs of :mod:`megazero.config.configs`.
 
 ``parse_args`` returns :class:`Arguments`, frozen once validated: assigning to it raises, so no
 later step can change what the flags said (use :meth:`Arguments.replace` for a modified copy).
@@ -29,7 +34,7 @@ import argparse
 import os
 import sys
 
-from megazero.config.checks import derive, report, validate
+from megazero.config.checks import derive, report, resolve_aliases, validate
 from megazero.config.deepspeed_config import apply_deepspeed_config
 from megazero.config.flags import build_parser
 from megazero.config.megatron_flags import apply_megatron_flags
@@ -95,6 +100,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None, pro
     args.world_size = world_size if world_size is not None else world_size_from_env()
     problems = early_problems(args)
     apply_megatron_flags(args, problems.append)
+    resolve_aliases(args)
     if args.deepspeed_config:
         apply_deepspeed_config(parser, args, explicit_dests(parser, argv))
     validate(parser, args, training=training, extra_checks=PATH_CHECKS if training else (), problems=problems)

@@ -33,6 +33,26 @@ from megazero.parallel.launch import current_rank
 
 
 
+def resolve_aliases(args) -> None:
+    """Megatron's flags that name something megazero has under another name, resolved into that
+    flag (the one place; before a DeepSpeed config is merged and the flags are checked):
+    ``--use-distributed-optimizer`` is ZeRO stage 1 at least; ``--overlap-grad-reduce`` and
+    ``--overlap-param-gather`` turn on ``--zero-overlap-comm``; ``--recompute-activations`` is
+    ``--recompute-granularity selective``; ``--data-args-path FILE`` gives ``--data-path`` its
+    contents; a quoted ``--split '99,1,0'`` (a launch script's) loses its quotes."""
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        args.zero_stage = 1
+    if args.overlap_grad_reduce or args.overlap_param_gather:
+        args.zero_overlap_comm = True  # both overlaps follow --zero-overlap-comm (on by default)
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
+    if args.data_args_path:
+        with open(args.data_args_path) as f:
+            args.data_path = f.read().split()
+    if isinstance(args.split, str):
+        args.split = args.split.strip().strip("'\"")
+
+
 def derive(args) -> None:
     """Compute every derived value (one place). Assumes :func:`validate` passed."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

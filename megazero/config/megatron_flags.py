@@ -173,25 +173,14 @@ def harmless_line(names: list[str]) -> str:
 
 
 def apply_megatron_flags(args, fail) -> None:
-    """Megatron's flags that name something megazero has under another name, and the class 2/3
-    flags: one rank-0 line for the harmless ones, one error naming every unavailable one."""
+    """The class 2/3 flags: one rank-0 line for the harmless ones, one error naming every
+    unavailable one (Megatron's aliases of megazero's flags: :func:`megazero.config.checks.resolve_aliases`)."""
     harmless, unavailable = take_compat_flags(args)
     if unavailable:
         fail(unavailable_message(unavailable))
     args.megatron_no_effect = tuple(sorted(set(harmless)))
     if harmless and current_rank() == 0:
         print(harmless_line(harmless), flush=True)
-    if args.use_distributed_optimizer and args.zero_stage == 0:
-        args.zero_stage = 1
-    if args.overlap_grad_reduce or getattr(args, "overlap_param_gather", False):
-        args.zero_overlap_comm = True  # both overlaps follow --zero-overlap-comm (on by default)
-    if args.recompute_activations and args.recompute_granularity is None:
-        args.recompute_granularity = "selective"
-    if args.data_args_path:
-        with open(args.data_args_path) as f:
-            args.data_path = f.read().split()
-    if isinstance(args.split, str):
-        args.split = args.split.strip().strip("'\"")  # a launch script's "--split '99,1,0'" keeps the quotes
 
 
 def markdown_table(honoured_notes: dict[str, str] | None = None) -> str:

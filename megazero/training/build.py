@@ -12,10 +12,12 @@
    completes the frozen model config (:class:`GPTConfig` pads the vocabulary for TP and checks
    every size against TP), and one frozen config per concern (:class:`RunConfig`). Bad flags
    and unreadable tokenizer files fail here, before any rank waits on another; so does a
-   ``--save`` folder that would lose a checkpoint (:func:`guard_save_dir`).
+   ``--save`` folder that would lose a checkpoint (:func:`guard_save_dir`), and the LR schedule
+   is built (it needs no group).
 2. **Launch**: join torch.distributed (torchrun, SLURM or one process); the device follows the
    backend.
-3. **Topology**: the TP x PP x DP process groups, created once and passed to everything below.
+3. **Topology**: the TP x CP x PP x DP process groups (Megatron's order tp-cp-ep-dp-pp), created
+   once and passed to everything below.
 4. **Seeds**: ``seed + 100 * pp_rank`` for Python's ``random``, numpy and torch, as Megatron-LM's
    ``_set_random_seed`` (megatron/training/initialize.py @00c2c0ad; per-stage dropout streams).
    Parameter values never depend on them (each weight is drawn from its own name-seeded
@@ -33,7 +35,7 @@
    does), and the ``--decoupled-lr`` parameters are named (``ModelStages.decoupled_lr_params``).
 8. **Pipeline runner**: the schedule plan, the p2p communicator and the activation shape, built
    once for the run.
-9. **LR schedule and logger**; then **load** ``--load`` last, because loading writes into the
+9. **Logger and Trainer**; then **load** ``--load`` last, because loading writes into the
    optimizer's master shards and the schedule's step count.
 """
 
