@@ -37,6 +37,33 @@ def test_every_rank_in_exactly_one_group_per_kind():
             assert rank == t.tp_rank + tp * t.dp_rank + tp * t.dp * t.pp_rank
 
 
+def test_context_and_expert_sizes_follow_megatrons_order_tp_cp_ep_dp_pp():
+    """Megatron-core's RankGenerator(order="tp-cp-ep-dp-pp"): world 16, TP 2, CP 2, PP 2 -> DP 2,
+    rank = tp + 2 cp + 4 dp + 8 pp; its expert grid (expert TP = TP) tp-ep-dp-pp: EP 2 takes
+    consecutive runs of the DP x CP ranks of a (PP, TP) position ([0, 2], [4, 6])."""
+    g = layout(16, tp=2, pp=2, cp=2, ep=2)
+    assert [0, 1] in g["tp"] and [0, 2] in g["cp"] and [0, 4] in g["dp"] and [0, 8] in g["pp"]
+    assert [0, 2] in g["ep"] and [4, 6] in g["ep"] and [1, 3] in g["ep"] and len(g["ep"]) == 8
+    assert [0, 1, 8, 9] in g["model_parallel"] and [0, 8] in g["embedding"]
+    for kind in ("tp", "cp", "dp", "pp", "ep", "model_parallel"):
+        assert sorted(r for ranks in g[kind] for r in ranks) == list(range(16)), kind
+    t = Topology(16, 14, tp=2, pp=2, cp=2, ep=2)
+    assert (t.tp_rank, t.cp_rank, t.dp_rank, t.pp_rank, t.ep_rank, t.dp) == (0, 1, 1, 1, 1, 2)
+    assert t.rank_lists["cp"] == [12, 14] and t.rank_lists["ep"] == [12, 14] and t.rank_lists["dp"] == [10, 14]
+    assert "cp 1/2 ep 1/2" in t.describe()
+
+
+def test_sizes_one_of_cp_and_ep_change_nothing():
+    """CP = EP = 1 is the 3D grid exactly: same groups, no cp/ep kinds to create."""
+    for world, tp, pp in [(8, 2, 2), (12, 2, 3), (1, 1, 1)]:
+        assert layout(world, tp, pp, cp=1, ep=1) == layout(world, tp, pp)
+        assert "cp" not in layout(world, tp, pp) and "ep" not in layout(world, tp, pp)
+    with pytest.raises(ValueError, match="EP 3 does not divide DP 2 x CP 2"):
+        layout(8, tp=2, cp=2, ep=3)
+    with pytest.raises(ValueError, match="TP 2 x CP 3 x PP 1"):
+        layout(8, tp=2, cp=3)
+
+
 def test_layout_rejects_indivisible_world():
     with pytest.raises(ValueError, match="world size 8 is not divisible by TP 3"):
         layout(8, tp=3)
