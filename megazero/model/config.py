@@ -17,6 +17,8 @@ from typing import Mapping
 
 import torch
 
+from .moe_config import MOE_ARG_KEYS, MOE_SHAPE_KEYS, MoEConfig
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 # The model's arguments under Megatron's flag names (``dest`` form), as a checkpoint saves them.
@@ -24,7 +26,7 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std",
-            "seed", "params_dtype", "apply_layernorm_1p")
+            "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS
 # The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
 _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
                   "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
@@ -35,7 +37,7 @@ _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_voca
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
-              "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+              "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -91,6 +93,7 @@ class GPTConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     label_smoothing: float = 0.0
+    moe: MoEConfig | None = None  # Mixture of Experts (megazero.model.moe_config); None: dense
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -114,6 +117,12 @@ class GPTConfig:
             raise ValueError(f"heads {self.num_attention_heads} not divisible by query groups {self.num_query_groups}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity {self.recompute_granularity!r} unknown")
+        if self.moe is not None and len(self.moe.layer_pattern) != self.num_layers:
+            raise ValueError(f"the MoE layer pattern has {len(self.moe.layer_pattern)} entries for "
+                             f"{self.num_layers} layers")
+        if self.moe is not None and self.add_bias_linear:
+            raise ValueError("MoE experts have no biases (Megatron's grouped experts refuse them): "
+                             "pass --disable-bias-linear")
 
     @property
     def tied_embeddings(self) -> bool:
@@ -141,10 +150,19 @@ class GPTConfig:
             return self.padded_vocab_size
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
-    def check_tp(self, tp: int) -> None:
+    def check_tp(self, tp: int, etp: int = 1) -> None:
+        """Raise unless the TP-split sizes divide by ``tp`` (the experts' by ``etp``, the
+        expert-tensor-parallel size)."""
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by TP {tp}")
+        if self.moe is not None:
+            if self.moe.ffn_hidden_size % etp:
+                raise ValueError(f"moe_ffn_hidden_size {self.moe.ffn_hidden_size} is not divisible by "
+                                 f"expert TP {etp}")
+            shared = self.moe.shared_expert_intermediate_size
+            if shared and shared % tp:
+                raise ValueError(f"moe_shared_expert_intermediate_size {shared} is not divisible by TP {tp}")
 
     @classmethod
     def from_megatron(cls, values: Mapping, vocab_size: int | None = None,
@@ -162,9 +180,13 @@ class GPTConfig:
         kwargs = {name: given[name] for name in _FROM_MEGATRON if name in given}
         if "rotary_base" in kwargs:
             kwargs["rotary_base"] = float(kwargs["rotary_base"])
+        layers = kwargs.get("num_layers")
+        ffn = kwargs.get("ffn_hidden_size") or default_ffn_hidden_size(kwargs.get("hidden_size", 0),
+                                                                       activation == "swiglu")
+        moe = MoEConfig.from_megatron(given, layers, ffn) if layers is not None else None
         return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
                    apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
-                   sequence_parallel=bool(given.get("sequence_parallel", False)), **kwargs)
+                   sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe, **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":
@@ -174,6 +196,7 @@ class GPTConfig:
         a = {k: saved.get(k) for k in ARG_KEYS}
         a["params_dtype"] = getattr(torch, a.get("params_dtype") or "float32")
         a["openai_gelu"] = bool(saved.get("openai_gelu", False))
+        a["moe_layer_freq"] = saved.get("moe_layer_freq")  # a list: the pattern itself
         config = cls.from_megatron(a)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
@@ -197,7 +220,8 @@ class GPTConfig:
                 "add_bias_linear": self.add_bias_linear,
                 "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
                 "init_method_std": self.init_method_std, "seed": self.seed,
-                "params_dtype": str(self.params_dtype).replace("torch.", "")}
+                "params_dtype": str(self.params_dtype).replace("torch.", ""),
+                **(self.moe.to_args() if self.moe is not None else {"num_experts": None})}
 
 
 def replace_config(config: GPTConfig, **changes) -> GPTConfig:
