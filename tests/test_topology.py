@@ -58,7 +58,7 @@ def test_sizes_one_of_cp_and_ep_change_nothing():
     for world, tp, pp in [(8, 2, 2), (12, 2, 3), (1, 1, 1)]:
         assert layout(world, tp, pp, cp=1, ep=1) == layout(world, tp, pp)
         assert "cp" not in layout(world, tp, pp) and "ep" not in layout(world, tp, pp)
-    with pytest.raises(ValueError, match="EP 3 does not divide DP 2 x CP 2"):
+    with pytest.raises(ValueError, match=r"expert TP 2 x EP 3 = 6 does not divide the 8 ranks"):
         layout(8, tp=2, cp=2, ep=3)
     with pytest.raises(ValueError, match="TP 2 x CP 3 x PP 1"):
         layout(8, tp=2, cp=3)
@@ -120,3 +120,20 @@ def test_harness_reports_failing_rank_and_kills_on_timeout():
     assert "injected failure" in str(exc.value)
     with pytest.raises(RankTimeout, match=r"ranks \[0, 1\] of 2 did not finish"):
         run_distributed(_sleeps, 2, timeout_s=1.5)
+
+
+def test_expert_grid_with_its_own_tensor_parallel_size():
+    """Megatron's expert RankGenerator(tp=ETP, ep=EP, dp=EDP, pp, order="tp-ep-dp-pp"): world 8,
+    TP 2, PP 2, EP 2, ETP 1 -> EDP 2 per stage: the TP pairs exchange tokens, each rank its own
+    expert shard, expert gradients reduced over the stage's ranks 2 apart."""
+    g = layout(8, tp=2, pp=2, ep=2, etp=1)
+    assert g["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["tp_ep"] == g["ep"]
+    assert g["etp"] == [[r] for r in range(8)]
+    assert g["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    t = Topology(8, 5, tp=2, pp=2, ep=2, etp=1)
+    assert (t.etp_rank, t.ep_rank, t.edp_rank, t.edp) == (0, 1, 0, 2)
+    same = layout(8, tp=2, ep=2)  # ETP = TP: ep carved from DP, etp is the TP group
+    assert same["etp"] == same["tp"] and same["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert same["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]] and same["tp_ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="expert TP 4 x EP 2"):
+        layout(4, tp=2, ep=2, etp=4)

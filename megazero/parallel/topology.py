@@ -6,16 +6,28 @@ context-parallel, then data-parallel, then pipeline-parallel::
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
 so ``grid = arange(world).view(PP, DP, CP, TP)`` and a rank's coordinates are its index in that
-grid. Expert parallelism is carved out of the ``DP x CP`` ranks of a stage (as Megatron's expert
-grid): ``EP`` divides ``DP x CP``, and a rank's ``ep_rank`` is its ``DP x CP`` index modulo ``EP``.
-Groups are slices of the grid:
+grid. MoE expert layers use a second factorization of the same ranks, Megatron's expert grid
+(core_v0.20.0 ``parallel_state.initialize_model_parallel``, ``expert_decoder_rank_generator``,
+order tp-ep-dp-pp with expert TP ``ETP``, default TP)::
+
+    rank = etp_rank + ETP * (ep_rank + EP * (edp_rank + EDP * pp_rank)),   EDP = TP CP DP / (ETP EP)
+
+so ``egrid = arange(world).view(PP, EDP, EP, ETP)``: experts are sharded over ``EP`` ranks
+carved out of each stage's ``TP x CP x DP`` ranks, each expert's weights split over ``ETP``,
+and expert gradients reduced over the expert-data-parallel ``EDP`` ranks. With ``ETP = TP`` a
+rank's ``ep_rank`` is its ``DP x CP`` index modulo ``EP``. Groups are slices of the grids:
 
 * ``tp``             -- ``grid[pp, dp, cp, :]``  (the TP peers: consecutive ranks, same node)
 * ``cp``             -- ``grid[pp, dp, :, tp]``  (one sequence's chunks; only created when CP > 1)
 * ``dp``             -- ``grid[pp, :, cp, tp]``  (replicas of the same model shard)
 * ``pp``             -- ``grid[:, dp, cp, tp]``  (the stages of one pipeline)
 * ``model_parallel`` -- ``grid[:, dp, cp, :]``   (everything holding one model replica)
-* ``ep``             -- consecutive runs of ``EP`` in ``grid[pp, :, :, tp]`` (only created when EP > 1)
+* ``ep``             -- ``egrid[pp, edp, :, etp]`` (the ranks that exchange tokens)
+* ``etp``            -- ``egrid[pp, edp, ep, :]`` (one expert's weight shards)
+* ``edp``            -- ``egrid[pp, :, ep, etp]`` (replicas of the same expert shard)
+* ``tp_ep``          -- ``egrid[pp, edp, :, :]`` (Megatron's expert-tensor-and-model-parallel group,
+  the all-gather dispatcher's domain); the four expert kinds are created only when EP > 1, ETP
+  differs from TP, or CP > 1 -- otherwise they are the TP/DP groups (:meth:`Topology.expert_group`)
 * ``embedding``      -- first and last stage of each pipeline (tied word embeddings)
 * ``position_embedding`` -- the first stage of each pipeline
 
@@ -39,23 +51,34 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "ep")
+GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp",
+               "ep", "etp", "edp", "tp_ep")
+EXPERT_KINDS = ("ep", "etp", "edp", "tp_ep")
 
 
-def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+def expert_groups_needed(tp: int, cp: int, ep: int, etp: int | None) -> bool:
+    """Whether the expert grid differs from the dense one (EP > 1, ETP != TP or CP > 1)."""
+    return ep > 1 or (etp if etp is not None else tp) != tp or cp > 1
+
+
+def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+           etp: int | None = None) -> dict[str, list[list[int]]]:
     """Return every group kind's rank lists for ``world_size`` ranks (no process groups); the
-    ``cp`` and ``ep`` kinds only when that size is above 1.
+    ``cp`` kind only when CP > 1, the expert kinds only when :func:`expert_groups_needed`.
+    ``etp``: the expert-tensor-parallel size (None: TP).
 
-    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * cp * pp`` or ``ep`` does
-    not divide ``dp * cp``.
+    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * cp * pp`` or
+    ``etp * ep`` does not divide a stage's ``tp * cp * dp`` ranks.
     """
-    if min(tp, pp, cp, ep, world_size) < 1:
-        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, CP {cp}, EP {ep}, PP {pp}")
+    etp = tp if etp is None else etp
+    if min(tp, pp, cp, ep, etp, world_size) < 1:
+        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, CP {cp}, EP {ep}, ETP {etp}, PP {pp}")
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not divisible by TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp}")
     dp = world_size // (tp * cp * pp)
-    if (dp * cp) % ep:
-        raise ValueError(f"EP {ep} does not divide DP {dp} x CP {cp} = {dp * cp}")
+    if (tp * cp * dp) % (etp * ep):
+        raise ValueError(f"expert TP {etp} x EP {ep} = {etp * ep} does not divide the {tp * cp * dp} ranks of a "
+                         f"pipeline stage (TP {tp} x CP {cp} x DP {dp}; world {world_size} / PP {pp})")
     grid = torch.arange(world_size).view(pp, dp, cp, tp)
     groups = {
         "tp": grid.reshape(-1, tp).tolist(),
@@ -65,8 +88,13 @@ def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) 
     }
     if cp > 1:
         groups["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
-    if ep > 1:
-        groups["ep"] = grid.permute(0, 3, 1, 2).reshape(-1, ep).tolist()
+    if expert_groups_needed(tp, cp, ep, etp):
+        edp = tp * cp * dp // (etp * ep)
+        egrid = torch.arange(world_size).view(pp, edp, ep, etp)
+        groups["ep"] = egrid.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
+        groups["etp"] = egrid.reshape(-1, etp).tolist()
+        groups["edp"] = egrid.permute(0, 2, 3, 1).reshape(-1, edp).tolist()
+        groups["tp_ep"] = egrid.reshape(-1, ep * etp).tolist()
     ends = sorted({0, pp - 1})
     groups["embedding"] = [[r[i] for i in ends] for r in groups["pp"]]
     groups["position_embedding"] = [[r[0]] for r in groups["pp"]]
@@ -88,11 +116,14 @@ class Topology:
     vp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert TP size; None: TP
     groups: dict = field(default_factory=dict, repr=False)  # kind -> ProcessGroup of this rank
     rank_lists: dict = field(default_factory=dict, repr=False)  # kind -> this rank's group ranks
 
     def __post_init__(self) -> None:
-        all_groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep)
+        if self.etp is None:
+            self.etp = self.tp
+        all_groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
         self.dp = self.world_size // (self.tp * self.cp * self.pp)
@@ -100,7 +131,11 @@ class Topology:
         self.cp_rank = (self.rank // self.tp) % self.cp
         self.dp_rank = (self.rank // (self.tp * self.cp)) % self.dp
         self.pp_rank = self.rank // (self.tp * self.cp * self.dp)
-        self.ep_rank = (self.dp_rank * self.cp + self.cp_rank) % self.ep
+        stage_rank = self.rank % (self.tp * self.cp * self.dp)
+        self.edp = self.tp * self.cp * self.dp // (self.etp * self.ep)
+        self.etp_rank = stage_rank % self.etp
+        self.ep_rank = (stage_rank // self.etp) % self.ep
+        self.edp_rank = stage_rank // (self.etp * self.ep)
         for kind, lists in all_groups.items():
             mine = [ranks for ranks in lists if self.rank in ranks]
             self.rank_lists[kind] = mine[0] if mine else []
@@ -131,6 +166,23 @@ class Topology:
         if not self.groups:
             raise RuntimeError("process groups not created; call Topology.create_groups() first")
         return self.groups.get(kind)
+
+    def expert_group(self, kind: str):
+        """The expert grid's group of ``kind`` (``ep``, ``etp``, ``edp``, ``tp_ep``): the created
+        one, or when the expert grid equals the dense one (EP 1, ETP = TP, CP 1) the dense group
+        it coincides with (``etp``/``tp_ep``: TP; ``edp``: DP; ``ep``: None, one rank)."""
+        if kind not in EXPERT_KINDS:
+            raise KeyError(f"unknown expert group kind {kind!r}; expected one of {EXPERT_KINDS}")
+        if expert_groups_needed(self.tp, self.cp, self.ep, self.etp):
+            return self.group(kind)
+        return {"ep": None, "etp": self.group("tp"), "edp": self.group("dp"), "tp_ep": self.group("tp")}[kind]
+
+    def expert_ranks(self, kind: str) -> list[int]:
+        """This rank's ``kind`` expert group as global ranks (see :meth:`expert_group`)."""
+        if expert_groups_needed(self.tp, self.cp, self.ep, self.etp):
+            return self.rank_lists[kind]
+        return {"ep": [self.rank], "etp": self.rank_lists["tp"], "edp": self.rank_lists["dp"],
+                "tp_ep": self.rank_lists["tp"]}[kind]
 
     @property
     def tp_group(self):
@@ -164,7 +216,7 @@ class Topology:
             raise RuntimeError("torch.distributed is not initialized")
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology world size {self.world_size} != process group world size {dist.get_world_size()}")
-        for kind, lists in layout(self.world_size, self.tp, self.pp, self.cp, self.ep).items():
+        for kind, lists in layout(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp).items():
             seen = set()
             for ranks in lists:
                 key = tuple(ranks)
@@ -177,7 +229,9 @@ class Topology:
         return self
 
     def describe(self) -> str:
-        extra = "".join(f" {k} {r}/{n}" for k, r, n in (("cp", self.cp_rank, self.cp), ("ep", self.ep_rank, self.ep))
+        extra = "".join(f" {k} {r}/{n}" for k, r, n in (("cp", self.cp_rank, self.cp), ("ep", self.ep_rank, self.ep),
+                                                         ("etp", self.etp_rank, self.etp if self.etp != self.tp else 1),
+                                                         ("edp", self.edp_rank, self.edp if self.ep > 1 else 1))
                         if n > 1)
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp}{extra} dp {self.dp_rank}/{self.dp} "
                 f"pp {self.pp_rank}/{self.pp} vp {self.vp}")
@@ -189,9 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     cli = parser.parse_args(argv)
     try:
-        groups = layout(cli.world_size, cli.tensor_model_parallel_size, cli.pipeline_model_parallel_size)
+        groups = layout(cli.world_size, cli.tensor_model_parallel_size, cli.pipeline_model_parallel_size,
+                        cli.context_parallel_size, cli.expert_model_parallel_size, cli.expert_tensor_parallel_size)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     json.dump(groups, sys.stdout, indent=None)
