@@ -84,12 +84,13 @@ class GPTModel(nn.Module):
     """See the module docstring and docs/INTERFACES.md (Model)."""
 
     def __init__(self, config: GPTConfig, topo=None, layer_start: int = 0, layer_end: int | None = None,
-                 pre_process: bool = True, post_process: bool = True, device=None, meta_init: bool = False):
+                 pre_process: bool = True, post_process: bool = True, device=None, meta_init: bool = False,
+                 moe_state=None):
         super().__init__()
         self.config, self.topo = config, topo
         self.tp_group = topo.tp_group if topo is not None else None
         self.tp = group_size(self.tp_group)
-        config.check_tp(self.tp)
+        config.check_tp(self.tp, topo.etp if topo is not None else 1)
         self.layer_start = layer_start
         self.layer_end = config.num_layers if layer_end is None else layer_end
         if not 0 <= self.layer_start <= self.layer_end <= config.num_layers:
@@ -103,8 +104,12 @@ class GPTModel(nn.Module):
         where = torch.device("meta") if meta_init else self.device  # meta: values from param_initializer
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
+        if config.moe is not None and moe_state is None:
+            from .moe import MoEState
+            moe_state = MoEState(config.num_layers, self.device)
+        self.moe_state = moe_state  # shared by the MoE routers of this rank's chunks (None: dense)
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, n, self.tp_group, self.rng, where)
+            str(n): TransformerLayer(config, n, self.tp_group, self.rng, where, topo, moe_state, self.device)
             for n in range(self.layer_start, self.layer_end)})
         if post_process:
             self.final_norm = Norm(config, self.tp_group, self.sequence_parallel, where)
@@ -211,14 +216,15 @@ class GPTModel(nn.Module):
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter (or its gradient, zeros if None) as the full, unpadded tensor.
 
-        Collective over the TP group (all TP ranks call it). Keys are the parameter names; the
+        Collective over the TP group (all TP ranks call it; an MoE model's routed experts over
+        the expert-TP group, and only this EP rank's experts are in it). Keys are the parameter names; the
         vocabulary matrices have ``vocab_size`` rows. Independent of TP: the seam for
         checkpoint resharding and Hugging Face conversion.
         """
         out = {}
         for name, module, p_name, param in self._named_params():
             t = param.detach() if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
-            out[name] = to_full(module, p_name, t, self.tp_group)
+            out[name] = to_full(module, p_name, t, getattr(module, "tp_group", self.tp_group))
         return out
 
     @torch.no_grad()
@@ -235,7 +241,8 @@ class GPTModel(nn.Module):
             if full is None:
                 missing.append(name)
                 continue
-            local = to_local(module, p_name, full, group_rank(self.tp_group), self.tp)
+            group = getattr(module, "tp_group", self.tp_group)  # an expert's: the expert-TP group
+            local = to_local(module, p_name, full, group_rank(group), group_size(group))
             if local.shape != param.shape:
                 raise ValueError(f"{name}: full shape {tuple(full.shape)} gives {tuple(local.shape)}, "
                                  f"expected {tuple(param.shape)}")

@@ -57,6 +57,14 @@ class ModelStages:
     * ``fuse_vocab_grads(add_weight_grad, add_embedding_grad)``: makes the vocabulary matrices
       accumulate their weight gradients through the optimizer's two callbacks (straight into its
       fp32 flat gradient); None: nothing to fuse.
+
+    Mixture of Experts (empty/None for a dense model):
+
+    * ``expert_params``: this EP rank's routed-expert parameters; ZeRO reduces and shards them
+      over the expert-data-parallel group instead of DP.
+    * ``moe``: the :class:`~megazero.model.moe.MoEState` the chunks' routers share: the training
+      loop sets its aux-loss scale each step (``set_aux_scale(grad_scale / M)``), takes its
+      metrics (``take()``) and runs ``update_expert_bias`` after the backward.
     """
 
     chunks: list[nn.Module]
@@ -71,6 +79,8 @@ class ModelStages:
     input_keys: Callable[[frozenset], frozenset] | None = None
     decoupled_lr_params: list[nn.Parameter] = field(default_factory=list)
     fuse_vocab_grads: Callable[[Callable, Callable], None] | None = None
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    moe: Any = None
 
 
 ForwardStep = Callable[[nn.Module, dict, "torch.Tensor | None"], torch.Tensor]
@@ -96,8 +106,12 @@ def build_model_chunks(config, topo, meta_init: bool = False) -> list[nn.Module]
     from .gpt import GPTModel
     ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank)
     roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank)
-    return [GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post,
-                     meta_init=meta_init) for (start, end), (pre, post) in zip(ranges, roles)]
+    chunks, state = [], None
+    for (start, end), (pre, post) in zip(ranges, roles):  # one MoEState shared by the chunks
+        chunks.append(GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post,
+                               meta_init=meta_init, moe_state=state))
+        state = chunks[-1].moe_state
+    return chunks
 
 
 def shared_embedding_params(chunks, topo) -> list:
@@ -135,7 +149,14 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
                        forward_step=gpt_forward_step,
                        input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
                        decoupled_lr_params=embedding_and_output_params(chunks),
-                       fuse_vocab_grads=VocabGradFusion(chunks))
+                       fuse_vocab_grads=VocabGradFusion(chunks),
+                       expert_params=expert_parallel_params(chunks), moe=chunks[0].moe_state)
+
+
+def expert_parallel_params(chunks) -> list:
+    """The routed experts' parameters of the chunks (modules marked ``expert_parallel``)."""
+    return [p for chunk in chunks for m in chunk.modules() if getattr(m, "expert_parallel", False)
+            for p in m.parameters(recurse=False)]
 
 
 @dataclass(frozen=True)

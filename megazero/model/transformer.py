@@ -154,10 +154,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group, device):
+    """``fc2(act(fc1 x))`` over TP; ``ffn_hidden_size``/``key`` default to the layer's dense MLP
+    (the MoE shared expert passes its own)."""
+
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group, device, ffn_hidden_size: int | None = None,
+                 key: str | None = None):
         super().__init__()
-        self.activation, f = config.activation, config.ffn_hidden_size
-        key = f"layers.{layer_number}.mlp"
+        self.activation, f = config.activation, ffn_hidden_size or config.ffn_hidden_size
+        key = key or f"layers.{layer_number}.mlp"
         std, seed, sp = config.init_method_std, config.seed, config.sequence_parallel
         swiglu = self.activation == "swiglu"
         self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * f if swiglu else f, tp_group,
@@ -182,9 +186,12 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm layer number ``layer_number`` (global, 0-based)."""
+    """Pre-norm layer number ``layer_number`` (global, 0-based); its MLP is an MoE block
+    (:class:`~megazero.model.moe.MoELayer`, over ``topo``'s expert groups, sharing ``moe_state``)
+    where the config's MoE layer pattern says so."""
 
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group, tracker, device):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group, tracker, device, topo=None, moe_state=None,
+                 buffer_device=None):
         super().__init__()
         sp = config.sequence_parallel and group_size(tp_group) > 1
         self.config, self.tracker, self.layer_number = config, tracker, layer_number
@@ -193,7 +200,11 @@ class TransformerLayer(nn.Module):
         self.input_norm = Norm(config, tp_group, sp, device)
         self.attention = Attention(config, layer_number, tp_group, tracker, device)
         self.post_attention_norm = Norm(config, tp_group, sp, device)
-        self.mlp = MLP(config, layer_number, tp_group, device)
+        if config.moe is not None and config.moe.is_moe(layer_number):
+            from .moe import MoELayer
+            self.mlp = MoELayer(config, layer_number, topo, tracker, moe_state, device, buffer_device or device)
+        else:
+            self.mlp = MLP(config, layer_number, tp_group, device)
 
     def _bias_dropout_add(self, out, bias, residual):
         if bias is not None:

@@ -115,7 +115,7 @@ def param_initializer(roots) -> Callable[[torch.Tensor], torch.Tensor]:
     return init
 
 
-class _TPLayer(nn.Module):
+class TPLayer(nn.Module):
     """Conversion between full tensors and this rank's slices, by :mod:`.spec`'s rule."""
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class _TPLayer(nn.Module):
         return nn.Parameter(init().to(device=device, dtype=dtype))
 
 
-class ColumnParallelLinear(_TPLayer):
+class ColumnParallelLinear(TPLayer):
     """``Y = X A^T + b``, ``A`` split along its output rows (see module doc).
 
     Input ``[..., in]`` (``[s/p, b, in]`` with ``sequence_parallel``); output ``[..., out/p]``
@@ -194,7 +194,7 @@ class ColumnParallelLinear(_TPLayer):
         return y, None if self.bias is None else gather_from_tp_region(self.bias, self.tp_group)
 
 
-class RowParallelLinear(_TPLayer):
+class RowParallelLinear(TPLayer):
     """``Y = X A^T + b``, ``A`` split along its input columns (see module doc).
 
     Input ``[..., in/p]`` (``input_is_parallel``) or ``[..., in]`` (then split here); output
@@ -240,7 +240,7 @@ class RowParallelLinear(_TPLayer):
         return y if bias is None else y + bias
 
 
-class VocabParallelEmbedding(_TPLayer):
+class VocabParallelEmbedding(TPLayer):
     """Embedding of ``num_embeddings`` (padded) rows split in ``p`` contiguous vocabulary ranges.
 
     ``forward(ids)``: ids of any shape -> ``ids.shape + (dim,)``. Rank ``r`` owns ids in

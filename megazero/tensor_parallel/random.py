@@ -19,7 +19,9 @@ mask from a named generator (``mask = U[0,1) >= p``, ``y = x * mask / (1 - p)``)
 :func:`checkpoint` recomputes a function in the backward pass (``torch.utils.checkpoint``,
 non-reentrant) after restoring the tracker's generators to their state at the original forward
 call, so the recomputed dropout masks equal the original ones bit for bit; afterwards the
-generators are put back where the forward pass left them.
+generators are put back where the forward pass left them. While the recomputation runs the
+tracker's ``recomputing`` is True, so a layer can skip side effects that must happen once per
+forward (the MoE router's metrics and expert-bias counts).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class RNGTracker:
     def __init__(self, seed: int, tp_rank: int = 0, stream: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generators: dict[str, torch.Generator] = {}
+        self.recomputing = False  # True while checkpoint() replays a forward in backward
         self.add(REPLICATED, init_seed(seed, f"dropout/{REPLICATED}/{stream}"))
         self.add(TENSOR_PARALLEL, init_seed(seed, f"dropout/{TENSOR_PARALLEL}/{stream}/{tp_rank}"))
 
@@ -93,9 +96,11 @@ def checkpoint(fn, tracker: RNGTracker | None, *args):
             return fn(*inner)
         after = tracker.get_states()
         tracker.set_states(forward_states)
+        tracker.recomputing = True
         try:
             return fn(*inner)
         finally:
             tracker.set_states(after)
+            tracker.recomputing = False
 
     return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)

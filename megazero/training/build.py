@@ -118,7 +118,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     optimizer = ZeroOptimizer(stages.chunks, topo, **config.optimizer.kwargs(),                      # 7
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,
-                              param_init=stages.param_init, device=device)
+                              expert_params=stages.expert_params, param_init=stages.param_init, device=device)
     if config.gradient_accumulation_fusion and optimizer.fuses_weight_grads and stages.fuse_vocab_grads:
         stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)
     if config.schedule.lr.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR

@@ -161,11 +161,14 @@ class Collectives:
 
 def process_groups(topo, shared_params) -> tuple[dict, dict]:
     """``(groups, shared_of)``: the :class:`Collectives` groups ``name -> (group, size, rank)``
-    ("dp", "mp", "world", then "tie0", "tie1", ... one per distinct group of ``shared_params``)
+    ("dp", "mp", "world", "edp" (the expert-data-parallel group), then "tie0", "tie1", ... one per
+    distinct group of ``shared_params``)
     and ``{param: tie-group name}``."""
     groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
               "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
               "world": (None, dist.get_world_size(), dist.get_rank())}
+    if getattr(topo, "edp", None) is not None:
+        groups["edp"] = (topo.expert_group("edp"), topo.edp, topo.edp_rank)
     shared_of, ties = {}, 0
     for p, g in shared_params:
         name = next((n for n, (gg, _, _) in groups.items() if gg is g and n.startswith("tie")), None)

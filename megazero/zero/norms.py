@@ -36,10 +36,11 @@ def count_zeros(pieces, device=None) -> torch.Tensor:
     return total - torch.stack([torch.count_nonzero(p) for p in pieces]).sum()
 
 
-def params_sum_of_squares(regions, params_dtype: torch.dtype, device=None) -> torch.Tensor:
+def params_sum_of_squares(regions, params_dtype: torch.dtype, device=None, world: bool = False) -> torch.Tensor:
     """``sum w^2`` (fp32 device scalar) over the counted segments of the regions' master shards;
-    with fp16 parameters, of the master rounded to fp16 (the model weights Megatron reads)."""
-    pieces = [r.master[a:b] for r in regions for a, b in r.norm_segments]
+    with fp16 parameters, of the master rounded to fp16 (the model weights Megatron reads).
+    ``world``: to be summed over the world (a stage-0 region counts on its first replica only)."""
+    pieces = [r.master[a:b] for r in regions if r.counts_in_world or not world for a, b in r.norm_segments]
     if not pieces:
         return torch.zeros((), dtype=torch.float32, device=device)
     if params_dtype != torch.float16:
@@ -57,7 +58,5 @@ def params_sq(optimizer, over_world: bool = False) -> torch.Tensor:
     instead, so at stage 0 only DP rank 0 contributes (as ``grad_partials``). Reads the fp32
     masters, which are current after ``apply_step`` even while an overlapped parameter all-gather
     is still in flight."""
-    out = params_sum_of_squares(optimizer.regions, optimizer.params_dtype, optimizer.device).reshape(1)
-    if over_world and optimizer.stage == 0 and optimizer.topo.dp_rank != 0:
-        out.zero_()
-    return out
+    world = over_world or optimizer.norm_group == "world"
+    return params_sum_of_squares(optimizer.regions, optimizer.params_dtype, optimizer.device, world).reshape(1)

@@ -41,7 +41,7 @@ from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
 from .region import Region
-from .regions import RegionContext, build_regions, cast_params, split_shard_ranges, trainable_params
+from .regions import RegionContext, build_expert_and_dense, cast_params, split_shard_ranges, trainable_params
 from .param_sync import ParamSync
 from .stage3 import ParamGatherer
 from .accounting import StateAccounting
@@ -78,7 +78,8 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
                  prefetch_bucket_size: int = 50_000_000, param_persistence_threshold: int = 100_000,
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None,
-                 param_init=None, device=None, overlap_param_gather: bool = False, host_reads=None):
+                 param_init=None, device=None, overlap_param_gather: bool = False, host_reads=None,
+                 expert_params=()):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -104,8 +105,10 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         uncounted |= {p for p, name in shared_of.items() if groups[name][2] != 0}
         ctx = RegionContext(self.comm, stage, self.M, topo.dp, topo.dp_rank, self.grad_dtype, frozenset(uncounted),
                             param_init=param_init, device=self.device)
-        built = build_regions(ctx, chunks, trainable, shared_of, reduce_bucket_size=reduce_bucket_size,
-                              param_persistence_threshold=param_persistence_threshold, units=units)
+        built = build_expert_and_dense(ctx, chunks, trainable, shared_of, set(expert_params), topo,
+                                       reduce_bucket_size=reduce_bucket_size,
+                                       param_persistence_threshold=param_persistence_threshold, units=units)
+        self.has_experts = bool(expert_params)
         self.regions: list[Region] = built.regions
         self.persistent_numel = built.persistent_numel
         self.build_peak_unit_bytes = built.peak_unit_bytes
@@ -147,8 +150,8 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
     def norm_group(self) -> str:
         """The group over which the partial sums of :meth:`grad_partials` add up to the global
         norm: ``mp`` at stage 0 (every DP replica holds the same all-reduced gradients), else
-        ``world``."""
-        return "mp" if self.stage == 0 else "world"
+        ``world`` (also at stage 0 for an MoE model: its experts differ across EP ranks)."""
+        return "mp" if self.stage == 0 and not self.has_experts else "world"
 
     def grad_partials(self, over_world: bool = False, count_zeros: bool = False) -> torch.Tensor:
         """Unscale the gradients (``g /= scale * DP``: mean over DP of the seeded loss gradient)
@@ -161,14 +164,13 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         grads = [r.grad32() for r in self.regions]
         torch._foreach_mul_(grads, 1.0 / (self.scaler.scale * self.topo.dp))
         self._grads = grads
-        pieces = [g[a:b] for r, g in zip(self.regions, grads) for a, b in r.norm_segments]
+        world = over_world or self.norm_group == "world"
+        pieces = [g[a:b] for r, g in zip(self.regions, grads) if r.counts_in_world or not world
+                  for a, b in r.norm_segments]
         parts = [sum_of_squares(pieces, self.device).reshape(1)]
         if count_zeros:
             parts.append(zeros_in(pieces, self.device).reshape(1).float())
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if over_world and self.stage == 0 and self.topo.dp_rank != 0:
-            out.zero_()
-        return out
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def step(self, lr: float | None = None, decoupled_lr: float | None = None):
         """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back:

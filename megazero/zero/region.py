@@ -61,12 +61,15 @@ class Region:
     a TP-duplicated parameter off TP rank 0, or a tied copy off the tie group's first rank).
     ``shared``: name of a group over which the full gradient is summed before DP reduction
     (tied weights across pipeline stages); such a region is flushed only in ``finish``.
+    ``group``: the :class:`Collectives` group it reduces over and shards across (``dp``; an MoE
+    model's routed experts: ``edp``, the expert-data-parallel ranks holding the same experts).
     """
 
     def __init__(self, params, counted, *, comm: Collectives, dp_size: int, dp_rank: int, stage: int,
                  partitioned: bool, flush_every: int, keep_full_grad: bool, grad_dtype: torch.dtype,
-                 shared: str | None = None, chunk: int = 0, param_init=None, device=None):
+                 shared: str | None = None, chunk: int = 0, param_init=None, device=None, group: str = "dp"):
         self.comm, self.stage, self.partitioned, self.shared, self.chunk = comm, stage, partitioned, shared, chunk
+        self.group = group  # the data-parallel group it reduces and shards over ("edp": MoE experts)
         self.flush_every = flush_every
         self.params = list(params)
         dtypes = {p.dtype for p in self.params}
@@ -84,6 +87,9 @@ class Region:
         self.padded = -(-off // n) * n
         self.shard_len = self.padded // n
         self.shard_lo = (dp_rank if stage >= 1 else 0) * self.shard_len
+        # whether a world-wide norm sum counts this rank's copy: every shard at stages 1-3, the
+        # first replica's at stage 0 (every replica holds the same all-reduced gradient)
+        self.counts_in_world = stage >= 1 or dp_rank == 0
 
         # parameters: views of one flat buffer (released between uses when partitioned); a meta
         # parameter is materialized here, one at a time, from param_init (so a partitioned
@@ -170,7 +176,7 @@ class Region:
         self.dirty = False
         full = self.full_grad
         if self.stage == 0:
-            return self.comm.all_reduce(full, "dp", logical=self.numel, async_op=async_op)
+            return self.comm.all_reduce(full, self.group, logical=self.numel, async_op=async_op)
         direct = self.fresh
         out = self.grad_shard if direct else torch.empty_like(self.grad_shard)
         self.fresh = False
@@ -182,7 +188,7 @@ class Region:
                 self.grad_shard.add_(out)
             if self.persistent_grad:
                 full.zero_()
-        pending = self.comm.reduce_scatter(out, full, "dp", logical=self.numel, async_op=async_op)
+        pending = self.comm.reduce_scatter(out, full, self.group, logical=self.numel, async_op=async_op)
         return Pending(pending, done)
 
     def sum_shared(self) -> None:
@@ -224,14 +230,14 @@ class Region:
             return Pending()
         own = self.param_flat[self.shard_lo:self.shard_lo + self.shard_len]
         own.copy_(self.master)  # cast into this rank's own piece: the gather's input, in place
-        return self.comm.all_gather(self.param_flat, own, "dp", logical=self.numel, async_op=async_op)
+        return self.comm.all_gather(self.param_flat, own, self.group, logical=self.numel, async_op=async_op)
 
     def gather(self, async_op: bool = True) -> Pending:
         """Stage 3: re-materialize the full parameters from the shards (all-gather, volume L)."""
         storage = self.param_flat.untyped_storage()
         storage.resize_(self.padded * self.param_flat.element_size())
         self.gathered = True
-        return self.comm.all_gather(self.param_flat, self.param_shard, "dp", logical=self.numel, async_op=async_op)
+        return self.comm.all_gather(self.param_flat, self.param_shard, self.group, logical=self.numel, async_op=async_op)
 
     def release(self) -> None:
         """Stage 3: free the full parameters (the views stay, their storage shrinks to 0 bytes)."""

@@ -25,7 +25,7 @@ A parameter's gradient enters the global norm on this rank unless it is in ``unc
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -33,6 +33,9 @@ import torch
 from .collectives import Collectives
 from .region import Region
 from .stage3 import find_units
+
+__all__ = ["RegionContext", "Regions", "build_regions", "build_expert_and_dense", "buckets", "cast_params",
+           "largest_first", "split_shard_ranges", "trainable_params"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class RegionContext:
     uncounted: frozenset = frozenset()
     param_init: Callable | None = None   # values of meta-device parameters (materialized per region)
     device: torch.device | None = None   # where meta-device parameters are materialized
+    group: str = "dp"                    # the Collectives group the regions reduce over ("edp": experts)
 
     def region(self, params, chunk: int, *, partitioned: bool = False, flush_every: int | None = None,
                keep_full: bool | None = None, shared: str | None = None) -> Region:
@@ -58,7 +62,7 @@ class RegionContext:
         return Region(params, [p not in self.uncounted for p in params], comm=self.comm, dp_size=self.dp_size,
                       dp_rank=self.dp_rank, stage=self.stage, partitioned=partitioned, flush_every=flush,
                       keep_full_grad=keep, grad_dtype=self.grad_dtype, shared=shared, chunk=chunk,
-                      param_init=self.param_init, device=self.device)
+                      param_init=self.param_init, device=self.device, group=self.group)
 
 
 @dataclass
@@ -164,6 +168,30 @@ def build_regions(ctx: RegionContext, chunks, trainable, shared_of: dict, *, red
         specs.append((ps, -1, dict(flush_every=ctx.num_micro_batches, keep_full=True, shared=name)))
     out.regions += largest_first(ctx, specs)
     return out
+
+
+def build_expert_and_dense(ctx: RegionContext, chunks, trainable, shared_of: dict, expert: set, topo, *,
+                           reduce_bucket_size: int, param_persistence_threshold: int, units=None) -> Regions:
+    """:func:`build_regions` for a model whose ``expert`` parameters (MoE routed experts, one EP
+    rank's) reduce and shard over the expert-data-parallel group ``edp`` (``topo.edp`` ranks
+    holding the same experts) and the rest over DP. Expert regions come first in reduction order
+    (their layers' backward ends later, but gradient order only sets when a bucket fills); at
+    stage 3 each expert module (:class:`~megazero.tensor_parallel.expert_comm.ExpertLinear`'s
+    parent MLP) is a unit of its own, gathered inside its layer's unit."""
+    if not expert:
+        return build_regions(ctx, chunks, trainable, shared_of, reduce_bucket_size=reduce_bucket_size,
+                             param_persistence_threshold=param_persistence_threshold, units=units)
+    dense = [[p for p in ps if p not in expert] for ps in trainable]
+    experts = [[p for p in ps if p in expert] for ps in trainable]
+    ectx = replace(ctx, dp_size=topo.edp, dp_rank=topo.edp_rank, group="edp")
+    expert_units = [[m for m in chunk.modules() if any(getattr(c, "expert_parallel", False) for c in m.children())]
+                    for chunk in chunks]
+    out = build_regions(ectx, chunks, experts, {}, reduce_bucket_size=reduce_bucket_size,
+                        param_persistence_threshold=param_persistence_threshold, units=expert_units)
+    rest = build_regions(ctx, chunks, dense, shared_of, reduce_bucket_size=reduce_bucket_size,
+                         param_persistence_threshold=param_persistence_threshold, units=units)
+    return Regions(out.regions + rest.regions, rest.units + out.units, out.persistent_numel + rest.persistent_numel,
+                   max(out.peak_unit_bytes, rest.peak_unit_bytes))
 
 
 def largest_first(ctx: RegionContext, specs) -> list[Region]:

@@ -1,0 +1,213 @@
+"""The Mixture-of-Experts block that replaces a layer's MLP (``GPTConfig.moe``).
+
+``MoELayer(x)`` for the ``[s, b, h]`` (``[s/p, b, h]`` under SP) input of the MLP::
+
+    probs, map = Router(x)                                    # megazero.model.moe_router
+    y = dispatch(x, probs, map, experts)                      # megazero.model.moe_dispatch
+    y = y + sigmoid(x g^T) * Shared(x)                        # shared expert (gate optional)
+
+Parameters, under global names like every other weight (drawn whole from (seed, name)):
+``layers.N.mlp.router.weight`` ``[E, h]``; routed expert ``e``:
+``layers.N.mlp.experts.e.fc1.weight`` ``[2f, h]`` (SwiGLU gate; up) or ``[f, h]`` and
+``layers.N.mlp.experts.e.fc2.weight`` ``[h, f]`` -- held only by the EP rank owning ``e``
+(experts ``[r E/EP, (r+1) E/EP)`` on EP rank ``r``), split over the expert-TP group
+(:class:`~megazero.tensor_parallel.expert_comm.ExpertLinear`); the shared expert
+``layers.N.mlp.shared_expert.fc1/fc2.weight`` (an MLP of ``shared_expert_intermediate_size``
+over TP) and ``layers.N.mlp.shared_expert_gate.weight`` ``[1, h]``. With ``--moe-grouped-gemm``
+the experts run the same path: one matmul pair per local expert on its contiguous rows.
+
+Tokens replicated over TP (TP > 1 without SP: inference only; training refuses it as Megatron)
+are split over TP here -- padded to a multiple of TP -- and the outputs all-gathered, so each
+(token, expert) pair is computed once.
+
+:class:`MoEState` is the per-model object the routers share: the aux-loss gradient scale of the
+current step, the per-layer metric sums, and the expert-bias update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.tensor_parallel import (copy_to_tp_region, gather_from_sequence_parallel_region,
+                                      scatter_to_sequence_parallel_region, seeded_normal)
+from megazero.tensor_parallel.expert_comm import ExpertLinear
+from megazero.tensor_parallel.mappings import group_size
+
+from .moe_dispatch import allgather_dispatch, alltoall_dispatch
+from .moe_router import Router
+
+METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
+class MoEState:
+    """Shared by the routers of one rank's model chunks: ``aux_scale`` (the gradient every aux
+    loss gets, the schedule's ``grad_scale / M``), ``sums[name][n]`` (the metric of global layer
+    ``n`` summed over this step's micro-batches, this rank's share), the routers (for the
+    expert-bias update)."""
+
+    def __init__(self, num_layers: int, device):
+        self.num_layers, self.device = num_layers, torch.device(device)
+        self.aux_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.routers: list[Router] = []
+        self.trackers: list = []  # the chunks' RNG trackers: recomputing() reads their flag
+
+    def recomputing(self) -> bool:
+        """Whether a checkpointed forward is being replayed in backward (no metrics, counts or
+        aux-loss attachments twice: the original forward's are the ones backward runs)."""
+        return any(t.recomputing for t in self.trackers)
+
+    def set_aux_scale(self, scale) -> None:
+        """Set the aux losses' backward scale (a device fill: no host read of ``scale``)."""
+        self.aux_scale.copy_(scale if torch.is_tensor(scale) else torch.tensor(float(scale)))
+
+    def record(self, name: str, layer: int, value: torch.Tensor) -> None:
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(self.num_layers, dtype=torch.float32, device=self.device)
+        self.sums[name][layer] += value.float()
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """This step's metric sums (then zeroed)."""
+        out = {name: v.clone() for name, v in self.sums.items()}
+        for v in self.sums.values():
+            v.zero_()
+        return out
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, group=None) -> None:
+        """``bias += rate * sign(mean_e c_e - c_e)`` with ``c`` the step's routed counts summed
+        over ``group`` (every rank of the stage; None: the world, each stage filling its own
+        layers' rows), then the counts restart. Runs once per step, skipped or not (Megatron's
+        ``_update_router_expert_bias`` in ``finalize_model_grads``)."""
+        routers = [r for r in self.routers if r.expert_bias is not None]
+        if not routers:
+            return
+        E = routers[0].expert_bias.numel()
+        counts = torch.zeros(self.num_layers, E, dtype=torch.float32, device=routers[0].expert_bias.device)
+        for r in routers:
+            counts[r.layer_number] = r.tokens_per_expert
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts, group=group)
+        for r in routers:
+            c = counts[r.layer_number]
+            r.expert_bias += rate * torch.sign(c.mean() - c)
+            r.tokens_per_expert.zero_()
+
+
+class ExpertMLP(nn.Module):
+    """Routed expert ``e`` of layer ``n``: ``fc2(act(fc1 x))``, weights split over expert TP
+    (fc1's rows, in gate/up blocks for SwiGLU; fc2's columns): its output is this rank's
+    partial sum over the expert-TP group."""
+
+    def __init__(self, config, layer_number: int, expert: int, etp_group, device):
+        super().__init__()
+        f, h, std, seed = config.moe.ffn_hidden_size, config.hidden_size, config.init_method_std, config.seed
+        key, self.swiglu = f"layers.{layer_number}.mlp.experts.{expert}", config.activation == "swiglu"
+        self.activation = config.activation
+        self.fc1 = ExpertLinear(h, 2 * f if self.swiglu else f, etp_group, dim=0,
+                                partition_sizes=[f, f] if self.swiglu else None,
+                                init_method=seeded_normal(std, seed, f"{key}.fc1.weight"),
+                                params_dtype=config.params_dtype, device=device)
+        self.fc2 = ExpertLinear(f, h, etp_group, dim=1,
+                                init_method=seeded_normal(std / math.sqrt(2 * config.num_layers), seed,
+                                                          f"{key}.fc2.weight"),
+                                params_dtype=config.params_dtype, device=device)
+
+    def forward(self, x):
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(y)
+
+
+class SharedExpertGate(nn.Module):
+    """``w_g`` (``[1, h]``, replicated): the shared expert is scaled by ``sigmoid(x w_g^T)``."""
+
+    def __init__(self, config, layer_number: int, device):
+        super().__init__()
+        shape, name = (1, config.hidden_size), f"layers.{layer_number}.mlp.shared_expert_gate.weight"
+
+        def full() -> torch.Tensor:
+            w = torch.empty(shape)
+            seeded_normal(config.init_method_std, config.seed, name)(w)
+            return w
+        self.param_inits = {"weight": full}
+        meta = torch.device(device).type == "meta"
+        value = torch.empty(shape, device="meta") if meta else full().to(device)
+        self.weight = nn.Parameter(value.to(config.params_dtype))
+
+
+class MoELayer(nn.Module):
+    """See the module doc. ``forward(x) -> (y, None)`` like the dense MLP (no output bias)."""
+
+    def __init__(self, config, layer_number: int, topo, tracker, state: MoEState, device, buffer_device):
+        super().__init__()
+        from .transformer import MLP  # the dense MLP doubles as the shared expert
+        moe = config.moe
+        self.moe, self.tracker, self.layer_number = moe, tracker, layer_number
+        self.tp_group = topo.tp_group if topo is not None else None
+        self.sequence_parallel = config.sequence_parallel and group_size(self.tp_group) > 1
+        self.ep_group = topo.expert_group("ep") if topo is not None else None
+        self.etp_group = topo.expert_group("etp") if topo is not None else None
+        self.tp_ep_group = topo.expert_group("tp_ep") if topo is not None else None
+        ep, ep_rank = (topo.ep, topo.ep_rank) if topo is not None else (1, 0)
+        if moe.num_experts % ep:
+            raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        per = moe.num_experts // ep
+        self.local = (ep_rank * per, (ep_rank + 1) * per)
+        self.router = Router(config, layer_number, self.tp_group, state, device, buffer_device)
+        state.routers.append(self.router)
+        if tracker is not None and tracker not in state.trackers:
+            state.trackers.append(tracker)
+        self.experts = nn.ModuleDict({str(e): ExpertMLP(config, layer_number, e, self.etp_group, device)
+                                      for e in range(*self.local)})
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, layer_number, self.tp_group, device,
+                                     ffn_hidden_size=moe.shared_expert_intermediate_size,
+                                     key=f"layers.{layer_number}.mlp.shared_expert")
+            if moe.shared_expert_gate:
+                self.shared_expert_gate = SharedExpertGate(config, layer_number, device)
+        self.stats: dict = {}
+
+    def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts on rows grouped by local expert (``counts[i]`` rows for the i-th)."""
+        pieces = rows.split(counts)
+        return torch.cat([mlp(piece) for mlp, piece in zip(self.experts.values(), pieces)])
+
+    def _routed(self, x2d: torch.Tensor, seq_shape) -> torch.Tensor:
+        probs, routing_map = self.router(x2d, seq_shape)
+        if self.moe.token_dispatcher == "allgather":
+            return allgather_dispatch(x2d, probs, routing_map, self.run_experts, self.tp_ep_group, self.local,
+                                      self.stats)
+        return alltoall_dispatch(x2d, probs, routing_map, self.run_experts, self.ep_group, self.etp_group,
+                                 self.stats)
+
+    def forward(self, x: torch.Tensor):
+        s, b, h = x.shape
+        replicated = group_size(self.tp_group) > 1 and not self.sequence_parallel
+        if replicated:  # every TP rank holds all tokens: each routes its share once
+            tokens = x.reshape(s * b, h)
+            pad = (-tokens.shape[0]) % group_size(self.tp_group)
+            tokens = torch.cat([tokens, tokens.new_zeros(pad, h)]) if pad else tokens
+            part = scatter_to_sequence_parallel_region(tokens, self.tp_group)
+            out = self._routed(part, (part.shape[0], 1))
+            y = gather_from_sequence_parallel_region(out, self.tp_group, grad_is_partial=False)[:s * b]
+            y = y.reshape(s, b, h)
+        else:
+            y = self._routed(x.reshape(s * b, h), (s, b)).reshape(s, b, h)
+        if self.shared_expert is not None:
+            shared, _ = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                g = self.shared_expert_gate.weight
+                g = copy_to_tp_region(g, self.tp_group) if self.sequence_parallel else g
+                shared = shared * torch.sigmoid(F.linear(x, g))
+            y = y + shared
+        return y, None
