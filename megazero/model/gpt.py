@@ -106,7 +106,8 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
         if config.moe is not None and moe_state is None:
             from .moe import MoEState
-            moe_state = MoEState(config.num_layers, self.device)
+            moe_state = MoEState(config.num_layers, self.device, config.moe.num_experts,
+                                 config.moe.enable_expert_bias)
         self.moe_state = moe_state  # shared by the MoE routers of this rank's chunks (None: dense)
         self.layers = nn.ModuleDict({
             str(n): TransformerLayer(config, n, self.tp_group, self.rng, where, topo, moe_state, self.device)

@@ -49,8 +49,9 @@ class MoEState:
     ``n`` summed over this step's micro-batches, this rank's share), the routers (for the
     expert-bias update)."""
 
-    def __init__(self, num_layers: int, device):
+    def __init__(self, num_layers: int, device, num_experts: int = 0, expert_bias: bool = False):
         self.num_layers, self.device = num_layers, torch.device(device)
+        self.num_experts, self.expert_bias = num_experts, expert_bias
         self.aux_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.sums: dict[str, torch.Tensor] = {}
         self.routers: list[Router] = []
@@ -83,11 +84,10 @@ class MoEState:
         over ``group`` (every rank of the stage; None: the world, each stage filling its own
         layers' rows), then the counts restart. Runs once per step, skipped or not (Megatron's
         ``_update_router_expert_bias`` in ``finalize_model_grads``)."""
-        routers = [r for r in self.routers if r.expert_bias is not None]
-        if not routers:
+        if not self.expert_bias:  # decided by the config: every rank joins the sum, MoE layers or not
             return
-        E = routers[0].expert_bias.numel()
-        counts = torch.zeros(self.num_layers, E, dtype=torch.float32, device=routers[0].expert_bias.device)
+        routers = [r for r in self.routers if r.expert_bias is not None]
+        counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float32, device=self.device)
         for r in routers:
             counts[r.layer_number] = r.tokens_per_expert
         if torch.distributed.is_initialized():

@@ -15,6 +15,7 @@ slot    this rank's contribution                                                
 +3      1 if this iteration's loss is inf/NaN                                       > 0: any
 +4, +5  the exit signal and ``--exit-duration-in-mins`` flags                        > 0: any
 +6      1 while this rank's ``--async-save`` write is still in flight                 > 0: any
++7...   ``extra`` (the MoE metrics, :mod:`.moe_log`), when given                       summed
 ======  ==========================================================================  =========
 
 The loss slots are divided by slot +2 (the DP size) on the host: the DP mean, as Megatron's
@@ -44,6 +45,7 @@ class Agreed:
     signalled: bool = False
     timed_out: bool = False
     writing: bool = False  # some rank's --async-save write is still in flight
+    extra: tuple = ()  # the world sum of agree()'s ``extra`` (when packed)
 
 
 class IterationAgreement:
@@ -57,9 +59,10 @@ class IterationAgreement:
         self.device = device
 
     def agree(self, loss: torch.Tensor | None, *, with_loss: bool, flags: tuple[bool, bool, bool] | None,
-              count_zeros: bool = False) -> Agreed:
+              count_zeros: bool = False, extra: torch.Tensor | None = None) -> Agreed:
         """After the schedule: one all-reduce and one host read (see the module docstring);
-        ``flags``: this rank's (exit signal, exit duration, writing), slots +4 to +6."""
+        ``flags``: this rank's (exit signal, exit duration, writing), slots +4 to +6; ``extra``
+        (a device vector) joins the packed sum when it is packed (``with_loss`` or flags)."""
         opt = self.optimizer
         packed = with_loss or flags is not None
         part = opt.grad_partials(over_world=packed or opt.norm_group == "world", count_zeros=count_zeros)
@@ -68,7 +71,10 @@ class IterationAgreement:
             vals = opt.host.read(part)
             return Agreed(vals[0], vals[1] if count_zeros else None)
         k = part.numel()
-        vec = torch.zeros(k + 7, dtype=torch.float32, device=self.device)  # filled on the device: no sync
+        n_extra = extra.numel() if extra is not None else 0
+        vec = torch.zeros(k + 7 + n_extra, dtype=torch.float32, device=self.device)  # filled on the device
+        if n_extra:
+            vec[k + 7:].copy_(extra)
         vec[:k].copy_(part)
         if self.holds_loss and loss is not None:
             mine = loss.detach().float().reshape(1)
@@ -84,7 +90,8 @@ class IterationAgreement:
         holders = max(vals[k + 2], 1.0)
         return Agreed(vals[0], vals[1] if count_zeros else None, loss_before=vals[k] / holders,
                       loss=vals[k + 1] / holders, loss_not_finite=vals[k + 3] > 0,
-                      signalled=vals[k + 4] > 0, timed_out=vals[k + 5] > 0, writing=vals[k + 6] > 0)
+                      signalled=vals[k + 4] > 0, timed_out=vals[k + 5] > 0, writing=vals[k + 6] > 0,
+                      extra=tuple(vals[k + 7:]))
 
     def add_applied(self, loss: torch.Tensor | None) -> None:
         """After an applied step: its loss joins the interval's device-side sum (no host read)."""

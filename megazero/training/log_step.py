@@ -19,15 +19,16 @@ class TrainerLogging:
     ``optimizer``, ``tb``, ``rank``/``last_rank``)."""
 
     def _log(self, seconds_per_iter: float, loss_sum: float | None, batch_size: int, *, grad_norm: float | None,
-             num_zeros: float | None = None, params_norm: float | None = None) -> None:
+             num_zeros: float | None = None, params_norm: float | None = None, moe: dict | None = None) -> None:
         """Megatron's line on the last rank; ``loss_sum``: the interval's applied iterations'
         DP-mean losses, summed (agreed in the iteration's packed all-reduce: no collective here);
         ``batch_size``: the global batch size of the iteration just run (Megatron's
         ``training_log`` prints ``get_current_global_batch_size()``), also the throughput's;
-        ``num_zeros`` / ``params_norm`` with ``--log-num-zeros-in-grad`` / ``--log-params-norm``."""
+        ``num_zeros`` / ``params_norm`` with ``--log-num-zeros-in-grad`` / ``--log-params-norm``;
+        ``moe``: the MoE metrics' interval means, printed after ``lm loss`` as Megatron's losses."""
         log, stats, world = self.config.logging, self.stats, self.config.parallel.world_size
         if self.rank == self.last_rank:
-            losses = stats.losses(loss_sum)
+            losses = dict(stats.losses(loss_sum), **(moe or {}))
             self.history.append((self.iteration, losses.get("lm loss", float("nan"))))
             flops = model_flops_per_iteration(self.model_config, batch_size, self.topo.tp)
             tflops = flops / (seconds_per_iter * world * 1e12)
@@ -47,12 +48,14 @@ class TrainerLogging:
         stats.reset()
 
     def _tensorboard_step(self, lm: float | None, batch_size: int, *, grad_norm: float | None,
-                          num_zeros: float | None = None, params_norm: float | None = None) -> None:
+                          num_zeros: float | None = None, params_norm: float | None = None,
+                          moe: dict | None = None) -> None:
         """Every ``--tensorboard-log-interval`` iterations (Megatron's names, each also ``vs samples``):
         the iteration's DP-mean loss, learning rate, batch size, grad norm, loss scale (unless
         ``--no-log-loss-scale-to-tensorboard``), world size and memory (with their flags), the ZeRO
         communication counters. ``lm``: the iteration's DP-mean loss, agreed in its packed
-        all-reduce (no collective here)."""
+        all-reduce (no collective here). ``moe``: the MoE metrics (Megatron writes them by iteration
+        only, without a ``vs samples`` twin)."""
         log = self.config.logging
         if self.rank != self.last_rank:
             return
@@ -68,6 +71,8 @@ class TrainerLogging:
             scalars.update(memory_scalars(self.device))
         scalars.update(self.optimizer.comm_scalars())
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
+        if moe:
+            self.tb.scalars(moe, self.iteration, None)
 
     def _log_validation(self, val: float | None, where: str = "", tensorboard: bool = True) -> None:
         """Megatron's validation box; ``where``: `` on test set`` etc. at the end of training."""

@@ -135,15 +135,18 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
-    def scalars(self, values: dict[str, float], iteration: int, consumed_samples: int) -> None:
+    def scalars(self, values: dict[str, float], iteration: int, consumed_samples: int | None) -> None:
+        """Each value by iteration and, unless ``consumed_samples`` is None, ``<name> vs samples``."""
         values = {name: value for name, value in values.items() if value is not None}
         if self.wandb is not None and values:
-            self.wandb.log({**values, "samples vs steps": consumed_samples}, step=iteration)
+            extra = {"samples vs steps": consumed_samples} if consumed_samples is not None else {}
+            self.wandb.log({**values, **extra}, step=iteration)
         if self.writer is None:
             return
         for name, value in values.items():
             self.writer.add_scalar(name, value, iteration)
-            self.writer.add_scalar(f"{name} vs samples", value, consumed_samples)
+            if consumed_samples is not None:
+                self.writer.add_scalar(f"{name} vs samples", value, consumed_samples)
 
     def text(self, name: str, text: str, iteration: int = 0) -> None:
         if self.writer is not None:

@@ -28,6 +28,7 @@ from megazero.training.evaluation import TrainerEvaluation
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats
 from megazero.training.lr_schedule import LRScheduler, learning_rates
+from megazero.training.moe_log import MoEMetricsLog
 from megazero.training.signals import ExitSignal
 from megazero.zero.norms import params_sq
 
@@ -56,6 +57,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         self.batches = config.schedule.batches  # global batch size by consumed samples
         self.agreement = IterationAgreement(topo, device, optimizer)  # the one packed all-reduce per iteration
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
+        self.moe_log = (MoEMetricsLog(stages.moe, config.model.moe, topo.dp, device)
+                        if stages.moe is not None and config.model.moe is not None else None)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.doc_masks = DocumentMasks.from_config(config.data, config.model.vocab_size)  # eod switches, or None
 
@@ -84,13 +87,20 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         trace = ScheduleTrace() if traced else None
         self.optimizer.zero_grad()
         self.optimizer.set_num_micro_batches(len(micro_batches))
+        moe = self.stages.moe
+        if moe is not None:  # the aux losses' gradient: the LM loss's (Megatron's MoEAuxLossAutoScaler)
+            moe.set_aux_scale(self.optimizer.loss_scale / len(micro_batches))
         with attention_backend(self.config.attention_backend, self.device):
             losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
                                      grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
+        if moe is not None:
+            moe.update_expert_bias(self.config.model.moe.bias_update_rate)
+            self.moe_log.after_step(len(micro_batches))
         if trace is not None:
             write_pipeline_trace(trace_path, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
         loss = self._local_loss(losses)
-        agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._flags(),
+        extra = self.moe_log.packed() if self.moe_log is not None and self.moe_log.size else None
+        agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._flags(), extra=extra,
                                       count_zeros=with_loss and self.config.logging.num_zeros_in_grad)
         ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler,
                                                                                    self.config.schedule.lr))
@@ -164,18 +174,28 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         params_norm = (log_due or tb_due) and log.params_norm
         extra = {"grad_norm": grad_norm if ok else None, "num_zeros": agreed.zeros if ok else None,
                  "params_norm": self._params_norm() if params_norm else None}
+        moe_console, moe_board = self._moe_metrics(agreed) if (tb_due or log_due) else ({}, {})
         if tb_due:
-            self._tensorboard_step(agreed.loss, batch_size, **extra)
+            self._tensorboard_step(agreed.loss, batch_size, moe=moe_board, **extra)
         if log_due:
             self._log((time.time() - log_start) / self.stats.iterations,
-                      agreed.loss_before + (agreed.loss if ok else 0.0), batch_size, **extra)
+                      agreed.loss_before + (agreed.loss if ok else 0.0), batch_size, moe=moe_console, **extra)
             self.agreement.reset_interval()
+            if self.moe_log is not None:
+                self.moe_log.reset_interval()
             log_start = time.time()
         elif ok:
             self.agreement.add_applied(loss)
         if schedule.eval_interval and self.iteration % schedule.eval_interval == 0 and schedule.eval_iters > 0:
             self._log_validation(self.evaluate())
         return log_start
+
+    def _moe_metrics(self, agreed) -> tuple[dict, dict]:
+        """The MoE metrics (log line: interval means; TensorBoard: this iteration's) from the
+        iteration's packed sum (:mod:`.moe_log`); empty for a dense model."""
+        if self.moe_log is None or not agreed.extra:
+            return {}, {}
+        return self.moe_log.read(list(agreed.extra))
 
     def _params_norm(self) -> float:
         """``--log-params-norm``: the L2 norm of the parameters after the step (Megatron's

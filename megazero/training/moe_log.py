@@ -1,0 +1,78 @@
+"""Megatron's MoE metrics in the log line and TensorBoard, riding the iteration's packed sum.
+
+Megatron-core (core_v0.20.0 ``moe_logging.py`` ``MoEMetricsTracker``, called from
+``training_log`` every iteration with ``loss_scale = 1 / num_microbatches``) keeps per layer the
+sum over micro-batches of ``load_balancing_loss`` (aux loss / coeff), ``seq_load_balancing_loss``
+and ``z_loss``; it sums them over the pipeline stages and the TP ranks of a sequence, averages
+over DP (``z_loss`` over TP and DP), scales by ``1 / M`` and reports the mean over the MoE
+layers: as a TensorBoard scalar of that name each iteration (``moe/<name>_layer_<n>`` per layer
+with ``--moe-per-layer-logging``) and, like a loss, in the log line as ``<name>: v |`` averaged
+over the log interval (it joins ``total_loss_dict``).
+
+Here each rank's per-layer sums are divided by ``M * DP`` (``z_loss`` was recorded over TP
+already), so their sum over the world is Megatron's value; the sums of this iteration and of the
+log interval so far travel in the iteration's one packed all-reduce (:mod:`.agree`) when a log
+or TensorBoard line is due, and are written then (TensorBoard at ``--tensorboard-log-interval``,
+not every iteration: no extra collective).
+"""
+
+from __future__ import annotations
+
+import torch
+
+METRIC_COEFFS = (("load_balancing_loss", "aux_loss"), ("seq_load_balancing_loss", "seq_aux_loss"))
+
+
+class MoEMetricsLog:
+    """The MoE metrics of one rank's training run (see the module docstring)."""
+
+    def __init__(self, state, moe, dp: int, device):
+        self.state, self.moe, self.dp = state, moe, dp
+        self.names = [name for name, kind in METRIC_COEFFS if moe.coeff(kind) > 0]
+        if moe.z_loss_coeff:
+            self.names.append("z_loss")
+        L = len(moe.layer_pattern)
+        self.current = torch.zeros(len(self.names), L, dtype=torch.float32, device=device)
+        self.interval = torch.zeros_like(self.current)
+        self.iterations = 0
+
+    @property
+    def size(self) -> int:
+        """Elements this adds to the packed sum (0: nothing to log)."""
+        return 2 * self.current.numel()
+
+    def after_step(self, num_micro_batches: int) -> None:
+        """Collect this iteration's sums from the routers (device ops only)."""
+        sums = self.state.take()
+        self.current.zero_()
+        for i, name in enumerate(self.names):
+            if name in sums:
+                self.current[i] = sums[name] / (num_micro_batches * self.dp)
+        self.interval += self.current
+        self.iterations += 1
+
+    def packed(self) -> torch.Tensor:
+        return torch.cat([self.current.flatten(), self.interval.flatten()])
+
+    def _means(self, per_layer: torch.Tensor, divide: float) -> dict[str, float]:
+        n = max(1, self.moe.num_moe_layers)
+        return {name: float(per_layer[i].sum()) / n / divide for i, name in enumerate(self.names)}
+
+    def read(self, summed: list[float]) -> tuple[dict, dict]:
+        """``(console, tensorboard)`` scalars from the world sums of :meth:`packed`: the interval
+        mean for the log line, this iteration's for TensorBoard (with the per-layer values when
+        ``--moe-per-layer-logging``)."""
+        k = self.current.numel()
+        shape = self.current.shape
+        current = torch.tensor(summed[:k]).view(shape)
+        interval = torch.tensor(summed[k:2 * k]).view(shape)
+        console = self._means(interval, max(1, self.iterations))
+        board = self._means(current, 1.0)
+        if self.moe.per_layer_logging:
+            for i, name in enumerate(self.names):
+                board.update({f"moe/{name}_layer_{n}": float(v) for n, v in enumerate(current[i].tolist())})
+        return console, board
+
+    def reset_interval(self) -> None:
+        self.interval.zero_()
+        self.iterations = 0
