@@ -100,8 +100,9 @@ def drop_over_capacity(probs, routing_map, moe: MoEConfig):
     capacity = math.ceil(T * moe.router_topk / E * moe.capacity_factor)
     if capacity > T:
         keep = torch.ones_like(routing_map)
-    else:
-        ranked = probs if moe.token_drop_policy == "probs" else routing_map.int()
+    else:  # 'position' ranks earlier tokens first explicitly (Megatron leaves it to topk's tie order)
+        order = torch.arange(T, 0, -1, device=probs.device, dtype=torch.float32).unsqueeze(1)
+        ranked = probs if moe.token_drop_policy == "probs" else routing_map.float() * order
         _, rows = torch.topk(ranked, k=capacity, dim=0, sorted=False)
         keep = torch.zeros_like(routing_map).scatter(0, rows, True)
     final = keep if moe.pad_to_capacity else routing_map & keep
@@ -161,7 +162,8 @@ class Router(nn.Module):
         w = copy_to_tp_region(self.weight, self.tp_group) if self.sequence_parallel else self.weight
         dtype = ROUTER_DTYPES[moe.router_dtype] or x.dtype
         logits = F.linear(x.to(dtype), w.to(dtype))
-        training = self.training and torch.is_grad_enabled() and not self.state.recomputing()
+        training = self.training and torch.is_grad_enabled()
+        self.once = training and not self.state.recomputing()  # side effects: not again in a recompute
         if training and moe.z_loss_coeff:
             logits = self._z_loss(logits)
         probs, routing_map = route(logits, moe, self.expert_bias)
@@ -169,14 +171,15 @@ class Router(nn.Module):
             probs, routing_map = drop_over_capacity(probs, routing_map, moe)
         if training and any(moe.coeff(t) > 0 for t in ("aux_loss", "seq_aux_loss")):
             probs = self._aux_losses(probs, logits, seq_shape)
-        if training and self.tokens_per_expert is not None:
+        if self.once and self.tokens_per_expert is not None:
             self.tokens_per_expert += routing_map.sum(dim=0).float()
         return probs, routing_map
 
     def _z_loss(self, logits):
         tp = group_size(self.tp_group) if self.sequence_parallel else 1
         lse_sq = torch.logsumexp(logits, dim=-1).square().mean()
-        self.state.record("z_loss", self.layer_number, lse_sq.detach() / tp)
+        if self.once:
+            self.state.record("z_loss", self.layer_number, lse_sq.detach() / tp)
         return AttachLoss.apply(logits, lse_sq * (self.moe.z_loss_coeff / tp), self.state)
 
     def _aux_losses(self, probs, logits, seq_shape):
@@ -188,7 +191,8 @@ class Router(nn.Module):
         if coeff > 0:
             counts = reduce_from_tp_region(routing_map.sum(dim=0).float(), tp_group).detach()
             loss = switch_loss(scores, counts, T * tp, moe, coeff)
-            self.state.record("load_balancing_loss", self.layer_number, loss.detach() / coeff)
+            if self.once:
+                self.state.record("load_balancing_loss", self.layer_number, loss.detach() / coeff)
             probs = AttachLoss.apply(probs, loss, self.state)
         coeff = moe.coeff("seq_aux_loss")
         if coeff > 0:
@@ -196,6 +200,7 @@ class Router(nn.Module):
             seq_scores, seq_map = scores.reshape(s, -1), routing_map.reshape(s, -1)
             counts = reduce_from_tp_region(seq_map.sum(dim=0).float(), tp_group).detach()
             loss = switch_loss(seq_scores, counts, s * tp, moe, coeff) / b
-            self.state.record("seq_load_balancing_loss", self.layer_number, loss.detach() / coeff)
+            if self.once:
+                self.state.record("seq_load_balancing_loss", self.layer_number, loss.detach() / coeff)
             probs = AttachLoss.apply(probs, loss, self.state)
         return probs
