@@ -31,10 +31,17 @@ from megazero.config.configs import WandbConfig
 
 def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
     """The formula above for a :class:`~megazero.model.GPTConfig` and a global batch of
-    ``batch_size`` sequences (``V`` padded for ``tp`` ranks)."""
+    ``batch_size`` sequences (``V`` padded for ``tp`` ranks). An MoE model's ``f`` is the mean over
+    layers of the FFN width a token runs through: ``f`` for a dense layer, ``k f_moe + f_shared`` for
+    an MoE one (Megatron-LM core_v0.20.0 ``num_floating_point_operations``)."""
     B, s, L, h = batch_size, config.seq_length, config.num_layers, config.hidden_size
     a, g, d, f = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.ffn_hidden_size
     m = 1.5 if config.activation == "swiglu" else 1.0
+    moe = config.moe
+    if moe is not None:  # Megatron: top-k routed experts plus the shared expert per MoE layer (no router)
+        n_moe = moe.num_moe_layers
+        f = (f * (L - n_moe) + (moe.ffn_hidden_size * moe.router_topk + (moe.shared_expert_intermediate_size or 0))
+             * n_moe) / L
     V = config.padded_vocab(tp)
     return 12.0 * B * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + (f / h) * m + V / (2.0 * L * h))
 
