@@ -94,6 +94,7 @@ class GPTConfig:
     recompute_num_layers: int | None = None
     label_smoothing: float = 0.0
     moe: MoEConfig | None = None  # Mixture of Experts (megazero.model.moe_config); None: dense
+    cp_comm_type: str = "p2p"  # attention across context-parallel ranks: "p2p" (ring) or "a2a" (Ulysses)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -117,6 +118,8 @@ class GPTConfig:
             raise ValueError(f"heads {self.num_attention_heads} not divisible by query groups {self.num_query_groups}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"recompute_granularity {self.recompute_granularity!r} unknown")
+        if self.cp_comm_type not in ("p2p", "a2a"):
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: megazero has p2p (ring) and a2a (Ulysses)")
         if self.moe is not None and len(self.moe.layer_pattern) != self.num_layers:
             raise ValueError(f"the MoE layer pattern has {len(self.moe.layer_pattern)} entries for "
                              f"{self.num_layers} layers")
@@ -149,6 +152,22 @@ class GPTConfig:
                                  f"{self.vocab_size} and divisible by TP {tp}")
             return self.padded_vocab_size
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def check_cp(self, cp: int, tp: int = 1) -> None:
+        """Raise unless context parallelism over ``cp`` ranks can run this model: the sequence
+        cut in ``2 CP`` chunks (ring) or ``CP`` (all-to-all, with the TP-local heads and query
+        groups divisible by CP), no attention dropout (the ring's blocks draw no masks)."""
+        if cp == 1:
+            return
+        parts = 2 * cp if self.cp_comm_type == "p2p" else cp
+        if self.seq_length % (parts * (tp if self.sequence_parallel else 1)):
+            raise ValueError(f"--seq-length {self.seq_length} is not divisible by {parts} (--context-parallel-size {cp}, "
+                             f"--cp-comm-type {self.cp_comm_type}{' x TP with SP' if self.sequence_parallel else ''})")
+        if self.cp_comm_type == "a2a" and ((self.num_attention_heads // tp) % cp or (self.num_query_groups // tp) % cp):
+            raise ValueError(f"--cp-comm-type a2a needs the heads {self.num_attention_heads} and query groups "
+                             f"{self.num_query_groups} per TP rank divisible by --context-parallel-size {cp}")
+        if self.attention_dropout > 0:
+            raise ValueError("context parallelism needs --attention-dropout 0 (the ring attention draws no dropout)")
 
     def check_tp(self, tp: int, etp: int = 1) -> None:
         """Raise unless the TP-split sizes divide by ``tp`` (the experts' by ``etp``, the
@@ -186,7 +205,8 @@ class GPTConfig:
         moe = MoEConfig.from_megatron(given, layers, ffn) if layers is not None else None
         return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
                    apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
-                   sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe, **kwargs)
+                   sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe,
+                   cp_comm_type=given.get("cp_comm_type", "p2p"), **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":

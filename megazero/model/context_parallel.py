@@ -102,7 +102,7 @@ class _Ring:
         """Start sending ``tensors`` to ``r + 1`` and receiving the same shapes from ``r - 1``;
         returns ``(received, wait)``."""
         nxt, prv = self.ranks[(self.rank + 1) % self.cp], self.ranks[(self.rank - 1) % self.cp]
-        recv = [torch.empty_like(t) for t in tensors]
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, prv, self.group) for t in recv]
         works = dist.batch_isend_irecv(ops)

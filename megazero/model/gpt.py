@@ -39,6 +39,7 @@ from megazero.tensor_parallel.mappings import group_rank, group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .config import GPTConfig
+from .context_parallel import positions_for_rank
 from .transformer import Norm, TransformerLayer, rope_cos_sin
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -91,6 +92,8 @@ class GPTModel(nn.Module):
         self.tp_group = topo.tp_group if topo is not None else None
         self.tp = group_size(self.tp_group)
         config.check_tp(self.tp, topo.etp if topo is not None else 1)
+        self.cp, self.cp_rank = (topo.cp, topo.cp_rank) if topo is not None else (1, 0)
+        config.check_cp(self.cp, self.tp)
         self.layer_start = layer_start
         self.layer_end = config.num_layers if layer_end is None else layer_end
         if not 0 <= self.layer_start <= self.layer_end <= config.num_layers:
@@ -159,9 +162,11 @@ class GPTModel(nn.Module):
         needs_positions = self.config.position_embedding_type == "rope" or self.pre_process
         if position_ids is None and inference_cache is not None:
             position_ids = inference_cache.position_ids
-        if position_ids is None and needs_positions:
+        if position_ids is None and needs_positions:  # under CP: this rank's chunks' true positions
             device = x.device
-            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+            positions = (positions_for_rank(s, self.cp, self.cp_rank, device) if self.cp > 1
+                         else torch.arange(s, device=device))
+            position_ids = positions.unsqueeze(0).expand(b, s)
         hidden = self.embedding(x, position_ids) if self.pre_process else x
         rope = None
         if self.config.position_embedding_type == "rope":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megazero.pipeline.chunks import chunk_layer_ranges, chunk_roles
@@ -20,6 +21,7 @@ from megazero.pipeline.p2p import pipeline_tensor_shape
 from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
 
+from .context_parallel import slice_for_rank
 from .gpt import WORD_EMBEDDING
 
 
@@ -138,8 +140,8 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
     ``device="meta"``: parameters on the meta device, values from ``param_init``."""
     meta = device is not None and torch.device(device).type == "meta"
     chunks = build_model_chunks(config, topo, meta_init=meta)
-    shape = pipeline_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size, topo.tp,
-                                  config.sequence_parallel)
+    shape = pipeline_tensor_shape(config.seq_length // topo.cp, micro_batch_size, config.hidden_size, topo.tp,
+                                  config.sequence_parallel)  # a CP rank's chunks of the sequence
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
     return ModelStages(chunks=chunks, activation_shape=shape, activation_dtype=config.params_dtype,
                        shared_params=shared_embedding_params(chunks, topo),
@@ -228,14 +230,30 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     """The GPT's forward step (``forward_step`` of :class:`~megazero.pipeline.PipelineRunner`):
     hidden states for the next stage, or on the last stage the micro-batch's mean loss over its
     unmasked tokens ``sum(loss * loss_mask) / sum(loss_mask)`` (plain mean without a mask).
-    An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer."""
+    An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer.
+
+    Context parallelism (``chunk.topo.cp > 1``): the rank keeps its load-balanced chunks of the
+    sequence entries (:func:`~megazero.model.context_parallel.slice_for_rank`) and its loss is
+    ``CP * sum_local(loss * mask) / sum_all(mask)`` (the mask count summed over the CP group, no
+    gradient): the mean over the CP ranks -- which the DP x CP gradient average and the logged
+    DP x CP mean take -- is the one-process token mean (Megatron's ``loss_func`` with CP)."""
+    topo = getattr(chunk, "topo", None)
+    cp = topo.cp if topo is not None else 1
+    if cp > 1:
+        micro_batch = {k: (slice_for_rank(v, 1, cp, topo.cp_rank) if k != "attention_mask" else v)
+                       for k, v in micro_batch.items()}
     x = micro_batch["tokens"] if input_tensor is None else input_tensor
     extra = {"attention_mask": micro_batch["attention_mask"]} if "attention_mask" in micro_batch else {}
     if not getattr(chunk, "post_process", False):
         return chunk(x, position_ids=micro_batch.get("position_ids"), **extra)
     losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"], **extra)
     mask = micro_batch.get("loss_mask")
-    if mask is None:
-        return losses.float().mean()
-    mask = mask.to(losses.dtype)
-    return (losses * mask).sum() / mask.sum()
+    if cp == 1:
+        if mask is None:
+            return losses.float().mean()
+        mask = mask.to(losses.dtype)
+        return (losses * mask).sum() / mask.sum()
+    mask = torch.ones_like(losses) if mask is None else mask.to(losses.dtype)
+    count = mask.sum().detach().reshape(1).float()
+    dist.all_reduce(count, group=topo.group("cp"))
+    return (losses * mask).sum() * cp / count[0]

@@ -91,8 +91,11 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig, layer_number: int, tp_group, tracker, device):
+    def __init__(self, config: GPTConfig, layer_number: int, tp_group, tracker, device, topo=None):
         super().__init__()
+        self.cp = topo.cp if topo is not None else 1  # context parallelism: attention over the CP ring
+        self.cp_group = topo.group("cp") if self.cp > 1 else None
+        self.cp_ranks = topo.rank_lists.get("cp", []) if self.cp > 1 else []
         p = group_size(tp_group)
         self.config, self.tracker, self.d = config, tracker, config.kv_channels
         self.heads, self.groups = config.num_attention_heads // p, config.num_query_groups // p
@@ -133,6 +136,16 @@ class Attention(nn.Module):
         probs = dropout(probs, p_drop, True, self.tracker, TENSOR_PARALLEL)
         return torch.matmul(probs, v)
 
+    def context_parallel_attention(self, q, k, v, attention_mask=None):
+        """Causal attention over the whole sequence spread on the CP group
+        (:mod:`~megazero.model.context_parallel`): the ring (``p2p``) or all-to-all (``a2a``)."""
+        from .context_parallel import ring_attention, ulysses_attention
+        if attention_mask is not None:
+            raise ValueError("--reset-attention-mask is not supported with context parallelism")
+        if self.config.cp_comm_type == "a2a":
+            return ulysses_attention(q, k, v, self.cp_group, self.cp, enable_gqa=self.groups != self.heads)
+        return ring_attention(q, k, v, self.cp_group, self.cp_ranks)
+
     def forward(self, x, rope=None, inference_cache=None, attention_mask=None):
         qkv = self.qkv(x)  # [s, b, (H + 2G) d / p]
         s, b = qkv.shape[:2]
@@ -145,6 +158,8 @@ class Attention(nn.Module):
         if inference_cache is not None:  # incremental decoding (megazero.model.inference)
             k, v = inference_cache.update(self.layer_number, k, v)
             ctx = inference_cache.attend(q, k, v)
+        elif self.cp > 1:
+            ctx = self.context_parallel_attention(q, k, v, attention_mask)
         elif self.config.recompute_granularity == "selective" and self.training:
             ctx = checkpoint(self.core_attention, self.tracker, q, k, v, attention_mask)
         else:
@@ -198,7 +213,7 @@ class TransformerLayer(nn.Module):
         # hidden dropout acts on split activations under SP (different tokens per rank)
         self.dropout_rng = TENSOR_PARALLEL if sp else REPLICATED
         self.input_norm = Norm(config, tp_group, sp, device)
-        self.attention = Attention(config, layer_number, tp_group, tracker, device)
+        self.attention = Attention(config, layer_number, tp_group, tracker, device, topo)
         self.post_attention_norm = Norm(config, tp_group, sp, device)
         if config.moe is not None and config.moe.is_moe(layer_number):
             from .moe import MoELayer

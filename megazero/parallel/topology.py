@@ -22,6 +22,8 @@ rank's ``ep_rank`` is its ``DP x CP`` index modulo ``EP``. Groups are slices of 
 * ``dp``             -- ``grid[pp, :, cp, tp]``  (replicas of the same model shard)
 * ``pp``             -- ``grid[:, dp, cp, tp]``  (the stages of one pipeline)
 * ``model_parallel`` -- ``grid[:, dp, cp, :]``   (everything holding one model replica)
+* ``dp_cp``          -- ``grid[pp, :, :, tp]``  (replicas of a shard with their CP peers: dense gradients
+  are averaged and ZeRO partitions over these ``DP x CP`` ranks; only created when CP > 1, else DP)
 * ``ep``             -- ``egrid[pp, edp, :, etp]`` (the ranks that exchange tokens)
 * ``etp``            -- ``egrid[pp, edp, ep, :]`` (one expert's weight shards)
 * ``edp``            -- ``egrid[pp, :, ep, etp]`` (replicas of the same expert shard)
@@ -51,7 +53,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp",
+GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "dp_cp",
                "ep", "etp", "edp", "tp_ep")
 EXPERT_KINDS = ("ep", "etp", "edp", "tp_ep")
 
@@ -88,6 +90,7 @@ def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     }
     if cp > 1:
         groups["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
+        groups["dp_cp"] = grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
     if expert_groups_needed(tp, cp, ep, etp):
         edp = tp * cp * dp // (etp * ep)
         egrid = torch.arange(world_size).view(pp, edp, ep, etp)
@@ -131,6 +134,7 @@ class Topology:
         self.cp_rank = (self.rank // self.tp) % self.cp
         self.dp_rank = (self.rank // (self.tp * self.cp)) % self.dp
         self.pp_rank = self.rank // (self.tp * self.cp * self.dp)
+        self.dp_cp, self.dp_cp_rank = self.dp * self.cp, self.dp_rank * self.cp + self.cp_rank
         stage_rank = self.rank % (self.tp * self.cp * self.dp)
         self.edp = self.tp * self.cp * self.dp // (self.etp * self.ep)
         self.etp_rank = stage_rank % self.etp
@@ -191,6 +195,11 @@ class Topology:
     @property
     def dp_group(self):
         return self.group("dp")
+
+    @property
+    def dp_cp_group(self):
+        """The ``DP x CP`` ranks of this shard (the DP group when CP = 1): dense gradients and ZeRO."""
+        return self.group("dp_cp") if self.cp > 1 else self.group("dp")
 
     @property
     def pp_group(self):

@@ -23,7 +23,7 @@ class StateAccounting:
         tot = dict(tot, total=sum(tot.values()))
         p = torch.empty((), dtype=self.params_dtype).element_size()
         g = torch.empty((), dtype=self.grad_dtype).element_size()
-        phi, n = self.phi, self.topo.dp
+        phi, n = self.phi, self.topo.dp_cp
         formula = [(p + g + 12) * phi, (p + g) * phi + 12 * phi / n, p * phi + (g + 12) * phi / n,
                    (p + g + 12) * phi / n][self.stage]
         return dict(tot, formula=formula, phi=phi, dp=n, param_bytes=p, grad_bytes=g)

@@ -164,7 +164,7 @@ def process_groups(topo, shared_params) -> tuple[dict, dict]:
     ("dp", "mp", "world", "edp" (the expert-data-parallel group), then "tie0", "tie1", ... one per
     distinct group of ``shared_params``)
     and ``{param: tie-group name}``."""
-    groups = {"dp": (topo.dp_group, topo.dp, topo.dp_rank),
+    groups = {"dp": (topo.dp_cp_group, topo.dp_cp, topo.dp_cp_rank),  # DP x CP under context parallelism
               "mp": (topo.model_parallel_group, topo.tp * topo.pp, dist.get_rank(topo.model_parallel_group)),
               "world": (None, dist.get_world_size(), dist.get_rank())}
     if getattr(topo, "edp", None) is not None:

@@ -103,7 +103,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.comm = Collectives(groups, dist.get_backend(), primitives)
         uncounted = {p for p in tp_duplicated_params if topo.tp_rank != 0}
         uncounted |= {p for p, name in shared_of.items() if groups[name][2] != 0}
-        ctx = RegionContext(self.comm, stage, self.M, topo.dp, topo.dp_rank, self.grad_dtype, frozenset(uncounted),
+        ctx = RegionContext(self.comm, stage, self.M, topo.dp_cp, topo.dp_cp_rank, self.grad_dtype, frozenset(uncounted),
                             param_init=param_init, device=self.device)
         built = build_expert_and_dense(ctx, chunks, trainable, shared_of, set(expert_params), topo,
                                        reduce_bucket_size=reduce_bucket_size,
@@ -154,7 +154,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         return "mp" if self.stage == 0 and not self.has_experts else "world"
 
     def grad_partials(self, over_world: bool = False, count_zeros: bool = False) -> torch.Tensor:
-        """Unscale the gradients (``g /= scale * DP``: mean over DP of the seeded loss gradient)
+        """Unscale the gradients (``g /= scale * DP * CP``: mean over DP x CP of the seeded loss gradient)
         and return this rank's partial ``[sum(g^2)]`` (``[sum(g^2), zeros]`` with
         ``count_zeros``: Megatron's ``--log-num-zeros-in-grad``) as a device tensor: no
         collective, no host read. Each parameter is counted on one rank of its TP/shared group;
@@ -162,7 +162,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         only DP rank 0 counts, so the world sum equals the model-parallel one."""
         self.finish_grad_sync()
         grads = [r.grad32() for r in self.regions]
-        torch._foreach_mul_(grads, 1.0 / (self.scaler.scale * self.topo.dp))
+        torch._foreach_mul_(grads, 1.0 / (self.scaler.scale * self.topo.dp_cp))
         self._grads = grads
         world = over_world or self.norm_group == "world"
         pieces = [g[a:b] for r, g in zip(self.regions, grads) if r.counts_in_world or not world
