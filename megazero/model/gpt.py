@@ -110,7 +110,7 @@ class GPTModel(nn.Module):
         if config.moe is not None and moe_state is None:
             from .moe import MoEState
             moe_state = MoEState(config.num_layers, self.device, config.moe.num_experts,
-                                 config.moe.enable_expert_bias)
+                                 config.moe.enable_expert_bias, self.cp)
         self.moe_state = moe_state  # shared by the MoE routers of this rank's chunks (None: dense)
         self.layers = nn.ModuleDict({
             str(n): TransformerLayer(config, n, self.tp_group, self.rng, where, topo, moe_state, self.device)

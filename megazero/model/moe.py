@@ -49,8 +49,8 @@ class MoEState:
     ``n`` summed over this step's micro-batches, this rank's share), the routers (for the
     expert-bias update)."""
 
-    def __init__(self, num_layers: int, device, num_experts: int = 0, expert_bias: bool = False):
-        self.num_layers, self.device = num_layers, torch.device(device)
+    def __init__(self, num_layers: int, device, num_experts: int = 0, expert_bias: bool = False, cp: int = 1):
+        self.num_layers, self.device, self.cp = num_layers, torch.device(device), cp
         self.num_experts, self.expert_bias = num_experts, expert_bias
         self.aux_scale = torch.ones((), dtype=torch.float32, device=self.device)
         self.sums: dict[str, torch.Tensor] = {}
@@ -63,8 +63,12 @@ class MoEState:
         return any(t.recomputing for t in self.trackers)
 
     def set_aux_scale(self, scale) -> None:
-        """Set the aux losses' backward scale (a device fill: no host read of ``scale``)."""
-        self.aux_scale.copy_(scale if torch.is_tensor(scale) else torch.tensor(float(scale)))
+        """Set the aux losses' backward scale (a device fill: no host read of ``scale``), times CP:
+        each CP rank attaches its piece of the sequence's aux loss and gradients are averaged over
+        DP x CP, so the pieces must weigh CP each to sum to the one-process loss (as the LM loss,
+        whose CP ranks return ``CP x`` their share)."""
+        value = scale if torch.is_tensor(scale) else torch.tensor(float(scale))
+        self.aux_scale.copy_(value * self.cp)
 
     def record(self, name: str, layer: int, value: torch.Tensor) -> None:
         if name not in self.sums:
@@ -162,7 +166,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by --expert-model-parallel-size {ep}")
         per = moe.num_experts // ep
         self.local = (ep_rank * per, (ep_rank + 1) * per)
-        self.router = Router(config, layer_number, self.tp_group, state, device, buffer_device)
+        token_group = topo.group("tp_cp") if topo is not None and topo.cp > 1 else None
+        self.router = Router(config, layer_number, self.tp_group, state, device, buffer_device, token_group)
         state.routers.append(self.router)
         if tracker is not None and tracker not in state.trackers:
             state.trackers.append(tracker)

@@ -12,7 +12,8 @@ Follows core_v0.20.0 ``megatron/core/transformer/moe/router.py`` (``TopKRouter``
 * **aux loss** (``aux_loss``): ``c E / (k N^2) * sum_e f_e P_e`` with ``f_e`` the tokens sent to
   expert ``e`` by the un-dropped top-k of the *whole sequence* (counts summed over TP, no grad),
   ``P_e = sum_t s_te`` this rank's scores (softmax over all experts, or normalized sigmoids) and
-  ``N = T * TP``: per-rank pieces that sum over TP to the single-process value.
+  ``N = T * TP``: per-rank pieces that sum over TP to the single-process value (over TP x CP,
+  the ranks holding one sequence, under context parallelism).
   ``seq_aux_loss`` does the same per sequence of the micro-batch and averages over the ``b``
   sequences. Metrics ``load_balancing_loss`` / ``seq_load_balancing_loss``: the loss over ``c``.
 * The losses reach the gradient, not ``lm loss``: :class:`AttachLoss` returns its input
@@ -133,11 +134,13 @@ class Router(nn.Module):
     ``buffer_device``: where the fp32 ``expert_bias`` lives (the compute device, also when the
     weights are built on the meta device)."""
 
-    def __init__(self, config, layer_number: int, tp_group, state, device, buffer_device):
+    def __init__(self, config, layer_number: int, tp_group, state, device, buffer_device, token_group=None):
         super().__init__()
         moe = config.moe
         self.moe, self.layer_number, self.tp_group, self.state = moe, layer_number, tp_group, state
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        # the ranks holding pieces of one sequence: TP under SP, times CP (Megatron's tp_cp group)
+        self.token_group = token_group if token_group is not None else (tp_group if self.sequence_parallel else None)
         shape = (moe.num_experts, config.hidden_size)
         init = seeded_normal(config.init_method_std, config.seed, f"layers.{layer_number}.mlp.router.weight")
 
@@ -176,14 +179,14 @@ class Router(nn.Module):
         return probs, routing_map
 
     def _z_loss(self, logits):
-        tp = group_size(self.tp_group) if self.sequence_parallel else 1
+        tp = group_size(self.token_group)
         lse_sq = torch.logsumexp(logits, dim=-1).square().mean()
         if self.once:
             self.state.record("z_loss", self.layer_number, lse_sq.detach() / tp)
         return AttachLoss.apply(logits, lse_sq * (self.moe.z_loss_coeff / tp), self.state)
 
     def _aux_losses(self, probs, logits, seq_shape):
-        moe, tp_group = self.moe, (self.tp_group if self.sequence_parallel else None)
+        moe, tp_group = self.moe, self.token_group
         tp = group_size(tp_group)
         routing_map, scores = aux_scores(logits, moe)
         T = routing_map.shape[0]

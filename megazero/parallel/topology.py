@@ -22,6 +22,7 @@ rank's ``ep_rank`` is its ``DP x CP`` index modulo ``EP``. Groups are slices of 
 * ``dp``             -- ``grid[pp, :, cp, tp]``  (replicas of the same model shard)
 * ``pp``             -- ``grid[:, dp, cp, tp]``  (the stages of one pipeline)
 * ``model_parallel`` -- ``grid[:, dp, cp, :]``   (everything holding one model replica)
+* ``tp_cp``          -- ``grid[pp, dp, :, :]``  (the ranks sharing one sequence: MoE router statistics)
 * ``dp_cp``          -- ``grid[pp, :, :, tp]``  (replicas of a shard with their CP peers: dense gradients
   are averaged and ZeRO partitions over these ``DP x CP`` ranks; only created when CP > 1, else DP)
 * ``ep``             -- ``egrid[pp, edp, :, etp]`` (the ranks that exchange tokens)
@@ -53,7 +54,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "dp_cp",
+GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "dp_cp", "tp_cp",
                "ep", "etp", "edp", "tp_ep")
 EXPERT_KINDS = ("ep", "etp", "edp", "tp_ep")
 
@@ -91,6 +92,7 @@ def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     if cp > 1:
         groups["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
         groups["dp_cp"] = grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
+        groups["tp_cp"] = grid.reshape(-1, cp * tp).tolist()
     if expert_groups_needed(tp, cp, ep, etp):
         edp = tp * cp * dp // (etp * ep)
         egrid = torch.arange(world_size).view(pp, edp, ep, etp)

@@ -13,15 +13,16 @@ class TrainerEvaluation:
     ``forward_step``, ``optimizer.host``, the datasets, ``_source`` and ``_local_loss``)."""
 
     def _dp_mean(self, step_losses: list) -> float | None:
-        """Mean of several steps' local losses, averaged over the DP group: one all-reduce and one
-        host read per log interval (or evaluation), on the last stage only. Every DP rank holds
-        the same number of steps (skipped steps are skipped everywhere)."""
+        """Mean of several steps' local losses, averaged over the DP x CP group (a CP rank's loss
+        is its share of the sequence's token mean, times CP): one all-reduce and one host read per
+        log interval (or evaluation), on the last stage only. Every DP rank holds the same number
+        of steps (skipped steps are skipped everywhere)."""
         if not self.topo.is_last_stage or not step_losses:
             return None
         total = torch.stack(step_losses).mean()
-        if self.topo.dp > 1:
-            dist.all_reduce(total, group=self.topo.dp_group)
-            total /= self.topo.dp
+        if self.topo.dp_cp > 1:
+            dist.all_reduce(total, group=self.topo.dp_cp_group)
+            total /= self.topo.dp_cp
         return self.optimizer.host.read(total)[0]
 
     def evaluate(self, dataset=None, start: int | None = None) -> float | None:

@@ -212,8 +212,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         if loss is None or ok:
             return False
         bad = (~torch.isfinite(loss)).float().reshape(1)
-        if self.topo.dp > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_group)
+        if self.topo.dp_cp > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_cp_group)
         return bool(self.optimizer.host.read(bad)[0])
 
     def _count_step(self, ok: bool, grad_norm, batch_size: int) -> None:

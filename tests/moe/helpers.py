@@ -76,8 +76,8 @@ def train(topo, data, args, **overrides):
         assert ok
         if topo.is_last_stage:
             mean = torch.stack(out).mean().reshape(1)
-            dist.all_reduce(mean, group=topo.dp_group)
-            losses.append(mean.item() / topo.dp)
+            dist.all_reduce(mean, group=topo.dp_cp_group)
+            losses.append(mean.item() / topo.dp_cp)
     with opt.gathered_params():
         full = {}
         for c in stages.chunks:

@@ -26,7 +26,7 @@ def _layouts(rank, world, sizes, stages, data, overrides, opt):
 
 
 def _check(world, sizes, stages=(1, 3), clip=0.0, loss_tol=1e-5, param_tol=1e-4, opt=None, **overrides):
-    dp = world // (sizes.get("tp", 1) * sizes.get("pp", 1))
+    dp = world // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1))
     data = gpt_batches(STEPS, dp, M)
     ref_losses, ref_full = reference(data, clip=clip, **{k: v for k, v in overrides.items() if k != "params_dtype"})
     opt = dict(opt or {}, clip_grad=clip)
@@ -97,3 +97,15 @@ def test_bf16_params_with_fp32_masters():
     bf16 rounding."""
     _check(4, dict(ep=2), stages=(1, 3), loss_tol=3e-2, param_tol=None, params_dtype=torch.bfloat16,
            opt=dict(params_dtype=torch.bfloat16, bf16=True))
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_context_parallel_cp2_ep2(comm):
+    """5D's new pair: CP 2 x EP 2 (experts carved out of DP x CP), the router's statistics summed
+    over the ranks holding one sequence, the aux losses weighted as one process's."""
+    _check(4, dict(cp=2, ep=2), stages=(1,), cp_comm_type=comm, moe_router_load_balancing_type="seq_aux_loss")
+
+
+def test_five_d_tp2_cp2_ep2_pp2():
+    """TP 2 (SP) x CP 2 x EP 2 x PP 2 on 8 ranks (EP from the DP x CP ranks), ZeRO 3."""
+    _check(8, dict(tp=2, cp=2, ep=2, pp=2), stages=(3,), sequence_parallel=True)
