@@ -20,7 +20,7 @@ VOCAB = 40
 
 def _config(**overrides):
     from megazero.model.config import GPTConfig
-    return GPTConfig.from_megatron(dict(DENSE, params_dtype=torch.float32, **overrides), vocab_size=VOCAB)
+    return GPTConfig.from_megatron(dict(DENSE, **dict(dict(params_dtype=torch.float32), **overrides)), vocab_size=VOCAB)
 
 
 def _batches(dp):
@@ -52,7 +52,7 @@ def _reference(data, **overrides):
     return losses, model.full_state_dict()
 
 
-def _worker(rank, world, sizes, stages, data, overrides):
+def _worker(rank, world, sizes, stages, data, overrides, opt_kw):
     import torch.distributed as dist
 
     from megazero.config.optimizer import OptimizerConfig
@@ -64,7 +64,7 @@ def _worker(rank, world, sizes, stages, data, overrides):
     out = []
     for stage in stages:
         stages_ = gpt_stages(_config(**overrides), topo, MB)
-        opt = ZeroOptimizer(stages_.chunks, topo, **OptimizerConfig.from_args(args_for(stage, M)).kwargs(),
+        opt = ZeroOptimizer(stages_.chunks, topo, **OptimizerConfig.from_args(args_for(stage, M, **opt_kw)).kwargs(),
                             shared_params=stages_.shared_params, tp_duplicated_params=stages_.tp_duplicated_params)
         runner = PipelineRunner(topo, M, stages_.activation_shape, stages_.activation_dtype)
         losses = []
@@ -81,14 +81,16 @@ def _worker(rank, world, sizes, stages, data, overrides):
     return out
 
 
-def _check(world, sizes, stages=(1,), **overrides):
+def _check(world, sizes, stages=(1,), loss_tol=1e-5, opt_kw=None, **overrides):
     dp = world // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1))
     data = _batches(dp)
-    ref_losses, ref_full = _reference(data, **overrides)
-    results = run_distributed(_worker, world, sizes, stages, data, overrides, timeout_s=300)
+    ref_losses, ref_full = _reference(data, **{k: v for k, v in overrides.items() if k != "params_dtype"})
+    results = run_distributed(_worker, world, sizes, stages, data, overrides, opt_kw or {}, timeout_s=300)
     for s, stage in enumerate(stages):
         losses = next(r[s][0] for r in results if r[s][0] is not None)
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (stage, losses, ref_losses)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < loss_tol, (stage, losses, ref_losses)
+        if opt_kw:
+            continue
         for r in results:
             for name, value in r[s][1].items():
                 want = ref_full.get(name, ref_full.get("embedding.word_embeddings.weight"))
@@ -114,3 +116,16 @@ def test_cp2_dp2_zero3():
 
 def test_cp2_pp2_vp2():
     _check(4, dict(cp=2, pp=2, vp=2), stages=(1,))
+
+
+def test_cp2_full_recompute_ring():
+    """Recomputing the layers in backward replays the ring's exchanges in the same order on every
+    CP rank; gradients unchanged."""
+    _check(2, dict(cp=2), stages=(1,), recompute_granularity="full", recompute_method="uniform",
+           recompute_num_layers=1)
+
+
+def test_cp2_bf16_tracks_fp32():
+    """bf16 weights and activations (fp32 ring accumulation, fp32 masters): within bf16 rounding."""
+    _check(2, dict(cp=2), stages=(1,), loss_tol=3e-2, params_dtype=torch.bfloat16,
+           opt_kw=dict(params_dtype=torch.bfloat16, bf16=True))
