@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 / Llama weights <-> megazero, at any TP size (``transformers`` not needed).
+"""Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE weights <-> megazero, at any TP (and EP) size
+(``transformers`` not needed).
 
 Conversion goes through the model's *full* state dict (:meth:`GPTModel.full_state_dict`): full,
 unpadded tensors keyed by megazero names, which :meth:`GPTModel.load_full_state_dict` slices for
@@ -24,6 +25,8 @@ Both use the same head layout and RoPE convention as megazero (head-major rows, 
 no permutation is needed. ``load_hf(model, source)`` takes an HF state dict or a saved folder
 (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``); ``to_hf_state_dict(model)``
 goes back (a collective over TP); ``config_from_hf`` builds the :class:`GPTConfig`.
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` map as Llama outside their MoE blocks, whose
+mapping (and routing equivalences) is in :mod:`.hf_moe`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ import os
 import torch
 
 from .config import GPTConfig
+from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
+                     moe_layer_map, unfuse_experts)
+
+ARCHS = ("gpt2", "llama") + tuple(MOE_ARCHS)
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu"}
@@ -44,23 +51,30 @@ def _as_dict(hf_config) -> dict:
 
 
 def arch_of(hf: dict) -> str:
-    """``gpt2`` or ``llama`` from an HF config dict (``model_type``) or state dict (its keys)."""
+    """``gpt2``, ``llama``, ``mixtral`` or ``qwen2_moe`` from an HF config dict (``model_type``)
+    or state dict (its keys)."""
     if "model_type" in hf:
         kind = hf["model_type"]
-        if kind not in ("gpt2", "llama"):
-            raise ValueError(f"unsupported model_type {kind!r} (gpt2 or llama)")
+        if kind not in ARCHS:
+            raise ValueError(f"unsupported model_type {kind!r} (one of {', '.join(ARCHS)})")
         return kind
     if any(k.startswith("transformer.wte") for k in hf):
         return "gpt2"
+    if any(".shared_expert" in k for k in hf):
+        return "qwen2_moe"
+    if any(".block_sparse_moe." in k or ".mlp.experts." in k for k in hf):
+        return "mixtral"
     if any(k.endswith("embed_tokens.weight") for k in hf):
         return "llama"
-    raise ValueError("cannot tell GPT-2 from Llama by these keys")
+    raise ValueError("cannot tell GPT-2 / Llama / Mixtral / Qwen2-MoE apart by these keys")
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """A :class:`GPTConfig` equal in architecture to an HF ``GPT2Config`` / ``LlamaConfig`` (or dict)."""
+    """A :class:`GPTConfig` equal in architecture to an HF ``GPT2Config`` / ``LlamaConfig`` /
+    ``MixtralConfig`` / ``Qwen2MoeConfig`` (or its dict)."""
     c = _as_dict(hf_config)
-    if arch_of(c) == "gpt2":
+    arch = arch_of(c)
+    if arch == "gpt2":
         act = c.get("activation_function", "gelu_new")
         if act not in GPT2_ACTIVATIONS:
             raise ValueError(f"unsupported GPT-2 activation {act!r}")
@@ -94,6 +108,8 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
                   attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
                   init_method_std=c.get("initializer_range", 0.02))
+        if arch in MOE_ARCHS:
+            kw.update(moe_fields(c, arch, kw["num_layers"]))
     kw.update(overrides)
     return GPTConfig(**kw)
 
@@ -136,18 +152,26 @@ def _global_map(arch: str) -> dict[str, list[tuple[str, bool]]]:
             "output_layer.weight": [("lm_head.weight", False)]}
 
 
-def name_map(arch: str, num_layers: int) -> dict[str, list[tuple[str, bool]]]:
+def name_map(arch: str, config) -> dict[str, list[tuple[str, bool]]]:
+    """megazero name -> [(HF name, transpose)] for a :class:`GPTConfig` (or a dense model's layer count)."""
+    num_layers, moe = (config, None) if isinstance(config, int) else (config.num_layers, config.moe)
     m = _global_map(arch)
     for i in range(num_layers):
-        m.update({f"layers.{i}.{k}": v for k, v in _layer_map(arch, i).items()})
+        layer = _layer_map(arch, i)
+        if moe is not None and moe.is_moe(i):
+            layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+            layer.update(moe_layer_map(arch, i, moe))
+        m.update({f"layers.{i}.{k}": v for k, v in layer.items()})
     return m
 
 
 def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> dict[str, torch.Tensor]:
     """HF state dict -> megazero full state dict (names present in ``hf_state`` only)."""
     arch = arch or arch_of(hf_state)
+    if arch in MOE_ARCHS:
+        hf_state = unfuse_experts(hf_state, arch)
     out = {}
-    for name, sources in name_map(arch, config.num_layers).items():
+    for name, sources in name_map(arch, config).items():
         if not all(src in hf_state for src, _ in sources):
             continue
         parts = [hf_state[src].t() if transpose else hf_state[src] for src, transpose in sources]
@@ -161,18 +185,17 @@ def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> di
 
 def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
     """megazero full state dict -> HF state dict (the inverse of :func:`hf_to_full`)."""
-    d, heads, groups, f = config.kv_channels, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
-    split = {"attention.qkv": [heads * d, groups * d, groups * d], "mlp.fc1": [f, f]}
+    d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
+    qkv = [heads * d, groups * d, groups * d]
     out = {}
-    for name, targets in name_map(arch, config.num_layers).items():
+    for name, targets in name_map(arch, config).items():
         if name not in full_state:
             continue
         t = full_state[name]
         if config.apply_layernorm_1p and name.endswith("norm.weight"):
             t = t + 1  # HF's norm scale is --apply-layernorm-1p's 1 + w
-        if len(targets) > 1:
-            sizes = next(v for k, v in split.items() if f".{k}." in f".{name}")
-            pieces = t.split(sizes, 0)
+        if len(targets) > 1:  # fused q/k/v rows, or an fc1's [gate; up] halves
+            pieces = t.split(qkv, 0) if ".attention.qkv." in name else t.chunk(len(targets), 0)
         else:
             pieces = [t]
         for (dst, transpose), piece in zip(targets, pieces):
@@ -206,20 +229,27 @@ def load_hf(model, source) -> list[str]:
     return model.load_full_state_dict(full, strict=False)
 
 
-def to_hf_state_dict(model, arch: str | None = None) -> dict[str, torch.Tensor]:
-    """The model's (or slice's) weights as an HF state dict; collective over the TP group."""
-    if arch is None:
-        arch = "llama" if model.config.position_embedding_type == "rope" else "gpt2"
-    return full_to_hf(model.full_state_dict(), model.config, arch)
+def to_hf_state_dict(model, arch: str | None = None, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """The model's (or slice's) weights as an HF state dict; collective over the TP group (and,
+    for an MoE model at EP > 1, over the EP group: every expert is in it). Experts under the
+    Hub's per-expert names, or ``fused_experts`` as transformers >= 5 holds them in memory."""
+    arch = arch or arch_of_config(model.config)
+    out = full_to_hf(gather_experts(model, model.full_state_dict()), model.config, arch)
+    return fuse_experts(out, arch, model.config.moe) if fused_experts and arch in MOE_ARCHS else out
 
 
 def arch_of_config(config) -> str:
+    if config.moe is not None:
+        return moe_arch_of_config(config)
     return "llama" if config.position_embedding_type == "rope" else "gpt2"
 
 
 def hf_config_of(config: GPTConfig, arch: str) -> dict:
     """The HF ``config.json`` of a :class:`GPTConfig` (refusing what the architecture can't express)."""
     c = config
+    if (c.moe is not None) != (arch in MOE_ARCHS):
+        raise ValueError(f"a {'MoE' if c.moe is not None else 'dense'} model does not export as {arch!r} "
+                         f"(MoE: {' or '.join(MOE_ARCHS)}; dense: gpt2 or llama)")
     if arch == "gpt2":
         bad = [m for m, ok in (("learned_absolute positions", c.position_embedding_type == "learned_absolute"),
                                ("LayerNorm", c.normalization == "LayerNorm"), ("biases", c.add_bias_linear),
@@ -239,8 +269,8 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
     bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
                            ("SwiGLU", c.activation == "swiglu")) if not ok]
     if bad:
-        raise ValueError(f"Llama export needs: {', '.join(bad)}")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        raise ValueError(f"{MOE_ARCHS.get(arch, 'Llama')} export needs: {', '.join(bad)}")
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
             "head_dim": c.kv_channels, "max_position_embeddings": c.max_position_embeddings,
@@ -249,3 +279,4 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
             "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear, "hidden_act": "silu",
             "initializer_range": c.init_method_std, "tie_word_embeddings": c.tied_embeddings,
             "attention_dropout": 0.0, "torch_dtype": "float32"}
+    return hf_moe_config(c, arch, llama) if arch in MOE_ARCHS else llama
