@@ -3,7 +3,8 @@
 Hugging Face folders back to a megazero checkpoint.  One process, no torch.distributed.
 
     python tools/convert_checkpoint.py to-fp32 --load DIR [--iteration N] --output model_fp32.pt
-    python tools/convert_checkpoint.py to-hf   --load DIR [--iteration N] --output HF_DIR [--arch gpt2|llama]
+    python tools/convert_checkpoint.py to-hf   --load DIR [--iteration N] --output HF_DIR
+                                               [--arch gpt2|llama|mixtral|qwen2_moe]
                                                [--dtype float32|bfloat16|float16]
     python tools/convert_checkpoint.py from-hf --hf HF_DIR --save DIR [--iteration 0] [--dtype float32]
     python tools/convert_checkpoint.py from-megatron --load MEGATRON_DIR --save DIR [--iteration N]
@@ -14,8 +15,10 @@ master weights (the parameters when the checkpoint has no optimizer state), real
 only, tied output layer left out; written with ``torch.save``, loadable with ``weights_only=True``.
 
 ``to-hf``: ``config.json`` + ``model.safetensors`` for ``GPT2LMHeadModel`` (learned positions,
-LayerNorm, GELU, biases, tied embeddings) or ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU);
-the tensor mapping is :mod:`megazero.model.hf`'s.  The checkpoint's tokenizer (recorded flags) is
+LayerNorm, GELU, biases, tied embeddings) or ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), and
+for MoE models ``MixtralForCausalLM`` (every layer MoE, no shared expert) or
+``Qwen2MoeForCausalLM`` (a gated shared expert; dense layers as ``mlp_only_layers``), experts
+under the Hub's per-expert names; the tensor mapping is :mod:`megazero.model.hf`'s.  The checkpoint's tokenizer (recorded flags) is
 written as HF tokenizer files, so ``AutoTokenizer.from_pretrained(HF_DIR)`` loads it.
 
 ``from-hf``: a one-rank megazero checkpoint (TP 1, PP 1, DP 1, ZeRO 0) holding the weights and
@@ -152,6 +155,15 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
                               ("--disable-bias-linear", not c.add_bias_linear),
                               ("--apply-layernorm-1p", c.apply_layernorm_1p),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
+    m = c.moe
+    if m is not None:  # Megatron's MoE flags for what the HF model has
+        freq = "1" if all(m.layer_pattern) else "'" + str(list(m.layer_pattern)).replace(" ", "") + "'"
+        flags += [f"--num-experts {m.num_experts} --moe-ffn-hidden-size {m.ffn_hidden_size}",
+                  f"--moe-router-topk {m.router_topk} --moe-layer-freq {freq}"]
+        flags += ["--moe-router-pre-softmax"] if m.pre_softmax else []
+        if m.shared_expert_intermediate_size:
+            flags.append(f"--moe-shared-expert-intermediate-size {m.shared_expert_intermediate_size}"
+                         + (" --moe-shared-expert-gate" if m.shared_expert_gate else ""))
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
     return " ".join(flags)
@@ -163,15 +175,20 @@ def write_imported(save: str, config, full_tensor, iteration: int, dtype: str, e
     from megazero.checkpoint.reshard import named_parameters
     from megazero.model import GPTModel
     from megazero.model.gpt import WORD_EMBEDDING
-    # templates give each parameter's module (TP split rule, vocab padding) without building the model:
-    # embedding + head, and one layer whose names are renumbered
-    ends = GPTModel(config, None, layer_start=0, layer_end=0, pre_process=True, post_process=True)
-    layer = GPTModel(config, None, layer_start=0, layer_end=1, pre_process=False, post_process=False)
+    # templates give each parameter's module (TP split rule, vocab padding) without drawing weights
+    # (meta): embedding + head, and one layer of each kind (dense, MoE) whose names are renumbered
+    ends = GPTModel(config, None, layer_start=0, layer_end=0, pre_process=True, post_process=True, meta_init=True)
     entries = list(named_parameters([ends]))
-    per_layer = list(named_parameters([layer]))
+    kind = [config.moe.is_moe(i) if config.moe is not None else False for i in range(config.num_layers)]
+    per_kind = {}
+    for k in set(kind):
+        j = kind.index(k)
+        layer = GPTModel(config, None, layer_start=j, layer_end=j + 1, pre_process=False, post_process=False,
+                         meta_init=True)
+        per_kind[k] = (j, list(named_parameters([layer])))
     ordered = [e for e in entries if e[1].startswith("embedding.")]
-    ordered += [(0, name.replace("layers.0.", f"layers.{i}.", 1), m, pn, p, sp)
-                for i in range(config.num_layers) for _, name, m, pn, p, sp in per_layer]
+    ordered += [(0, name.replace(f"layers.{per_kind[kind[i]][0]}.", f"layers.{i}.", 1), m, pn, p, sp)
+                for i in range(config.num_layers) for _, name, m, pn, p, sp in per_kind[kind[i]][1]]
     ordered += [e for e in entries if not e[1].startswith("embedding.")]
     sd, params, target = {}, [], DTYPES[dtype]
     for _, name, module, p_name, p, split in ordered:
@@ -181,7 +198,7 @@ def write_imported(save: str, config, full_tensor, iteration: int, dtype: str, e
             raise ValueError(f"{name}: the source gives {tuple(local.shape)}, expected {tuple(p.shape)}")
         sd[name] = local.to(target).contiguous()
         params.append(schema.ParamEntry(0, name, tuple(p.shape), split))
-    del ends, layer
+    del ends, per_kind
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
     index = schema.make_index([schema.index_entry(0, 0, 0, 0, params, regions=[])], aliases)
     metadata = schema.metadata(iteration, 0, schema.layout(1, 1, 1, None, 1, 0, target),
@@ -206,7 +223,7 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
     arch = hfmap.arch_of(cfg)
     config = hfmap.config_from_hf(cfg)
     get, have = _hf_tensors(hf_dir)
-    mapping = hfmap.name_map(arch, config.num_layers)
+    mapping = hfmap.name_map(arch, config)
 
     def full_tensor(name):
         sources = mapping[name]
@@ -243,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--load", required=True)
     b.add_argument("--iteration", type=int, default=None)
     b.add_argument("--output", required=True)
-    b.add_argument("--arch", choices=["gpt2", "llama"], default=None, help="default: llama with RoPE, else gpt2")
+    b.add_argument("--arch", choices=list(hfmap.ARCHS), default=None,
+                   help="default: mixtral / qwen2_moe (a shared expert) for MoE, else llama with RoPE, else gpt2")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     c = sub.add_parser("from-hf")
     c.add_argument("--hf", required=True)

@@ -3,12 +3,17 @@
 
     torchrun --nproc-per-node 2 tools/generate.py --load runs/demo/checkpoints \\
         --tensor-model-parallel-size 2 --prompt "In the beginning" --max-new-tokens 40
+    torchrun --nproc-per-node 4 tools/generate.py --load mixtral_ckpt --tensor-model-parallel-size 2 \\
+        --expert-model-parallel-size 2 --prompt "In the beginning"
     python tools/generate.py --load DIR --prompt-file prompts.txt --top-k 40 --temperature 0.8
 
 The checkpoint may come from any training layout (TP, PP, VP, DP, ZeRO stage, dtype): its full,
 unpadded weights are read (:class:`megazero.checkpoint.reader.CheckpointReader`) and sliced for
 this run's TP size (the vocabulary re-padded for it). The model is one pipeline stage without
-sequence parallelism or dropout; the tokenizer comes from the saved arguments (an imported model's is
+sequence parallelism or dropout. An MoE model's experts may be spread over
+``--expert-model-parallel-size`` ranks (each weight split over ``--expert-tensor-parallel-size``,
+default TP): the run then takes lcm(TP, ETP x EP) ranks, the expert grid carved out of TP x DP as
+in training, every rank with the same prompts and the tokens agreed over all of them. The tokenizer comes from the saved arguments (an imported model's is
 in ``DIR/tokenizer/``); ``--tokenizer-type`` replaces it and ``--tokenizer-model``, ``--vocab-file``,
 ``--merge-file`` override paths. With ``--tokenizer-type NullTokenizer`` (``--vocab-size``, default
 the model's vocabulary) prompts and completions are whitespace-separated token ids. Prompts (``--prompt``, repeatable, and/or
@@ -28,6 +33,7 @@ shows the traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -51,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", required=True, help="checkpoint folder (holds latest_checkpointed_iteration.txt)")
     p.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the latest)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE: ranks the experts are spread over")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE: ranks each expert's weights are split over (default: TP)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a text file, one prompt per line")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
@@ -102,6 +111,9 @@ def _check_values(p: argparse.ArgumentParser, args) -> None:
         ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
         ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
         ("--tensor-model-parallel-size", args.tensor_model_parallel_size, args.tensor_model_parallel_size >= 1, ">= 1"),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size >= 1, ">= 1"),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size,
+         args.expert_tensor_parallel_size is None or args.expert_tensor_parallel_size >= 1, ">= 1"),
     ) if not ok]
     if problems:
         p.error("; ".join(problems))
@@ -127,18 +139,22 @@ def check_prompts(ids: list[list[int]], texts: list[str], limit: int, start: int
                              f"most {limit} positions (max_position_embeddings): shorten it")
 
 
-def build_topology(tp: int, backend: str | None):
-    """(topology or None, device): joins torchrun's process group (or the caller's) when world > 1."""
+def build_topology(tp: int, backend: str | None, ep: int = 1, etp: int | None = None):
+    """(topology or None, device): joins torchrun's process group (or the caller's) when world > 1.
+    The world is lcm(TP, ETP x EP) ranks: TP alone for a dense model (see the module doc)."""
     from megazero.parallel.launch import init_distributed
     from megazero.parallel.topology import Topology
+    world = math.lcm(tp, (tp if etp is None else etp) * ep)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        if tp != 1:
-            raise SystemExit(f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}")
+        if world != 1:
+            raise SystemExit(f"--tensor-model-parallel-size {tp} --expert-model-parallel-size {ep} needs torchrun "
+                             f"--nproc-per-node {world}")
         return None, torch.device("cpu")
     launch, device = init_distributed(backend)
-    if launch.world_size != tp:
-        raise SystemExit(f"generation runs on exactly TP ranks: world size {launch.world_size} != TP {tp}")
-    return Topology(launch.world_size, launch.rank, tp=tp).create_groups(), device
+    if launch.world_size != world:
+        what = "TP" if world == tp else f"lcm(TP {tp}, ETP {etp or tp} x EP {ep})"
+        raise SystemExit(f"generation runs on exactly {what} = {world} ranks: world size {launch.world_size}")
+    return Topology(launch.world_size, launch.rank, tp=tp, ep=ep, etp=etp).create_groups(), device
 
 
 def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = "fp32"):
@@ -194,7 +210,9 @@ def main(argv=None) -> list[str]:
 
 def run(args) -> list[str]:
     """Generation for parsed ``args`` (see :func:`main`)."""
-    topo, device = build_topology(args.tensor_model_parallel_size, args.distributed_backend)
+    topo, device = build_topology(args.tensor_model_parallel_size, args.distributed_backend,
+                                  args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    agree = dist.group.WORLD if topo is not None and topo.world_size > topo.tp else None  # EP: every rank
     rank0 = topo is None or topo.rank == 0
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -208,7 +226,8 @@ def run(args) -> list[str]:
         print(f"> loaded {args.load} iteration {reader.iteration} (trained with TP "
               f"{lay.get('tensor_model_parallel_size')} PP {lay.get('pipeline_model_parallel_size')} "
               f"VP {lay.get('virtual_pipeline_model_parallel_size')} DP {lay.get('data_parallel_size')} "
-              f"ZeRO {lay.get('zero_stage')}, {lay.get('params_dtype')}) into TP {args.tensor_model_parallel_size}, "
+              f"ZeRO {lay.get('zero_stage')}, {lay.get('params_dtype')}) into TP {args.tensor_model_parallel_size}"
+              f"{f' EP {args.expert_model_parallel_size}' if args.expert_model_parallel_size > 1 else ''}, "
               f"{c.params_dtype}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
     completions, new_tokens, seconds = [], 0, 0.0
@@ -217,7 +236,8 @@ def run(args) -> list[str]:
         ids = [tok.tokenize(t) or [eod] for t in texts]
         check_prompts(ids, texts, model.config.max_position_embeddings, start)
         res = generate(model, ids, args.max_new_tokens, eod=eod, greedy=args.greedy, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed + start, use_cache=not args.no_kv_cache)
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed + start, use_cache=not args.no_kv_cache,
+                       group=agree)
         new_tokens += res.new_tokens
         seconds += res.prefill_s + res.decode_s
         for text, prompt_ids, row in zip(texts, ids, res.tokens):

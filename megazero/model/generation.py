@@ -11,8 +11,10 @@ computation everywhere:
   least ``p`` (the most probable token always); then one draw from ``softmax`` over what is
   kept, from a ``torch.Generator`` seeded with ``seed`` (same seed, same logits -> same draw).
 
-With TP > 1 the chosen tokens are also broadcast from TP rank 0, so ranks can never diverge even
-if a sampler were not bit-deterministic. Rows stop independently at ``eod`` (later positions
+With TP > 1 the chosen tokens are also broadcast from TP rank 0 (or from the first rank of
+``group``: an MoE model's expert-parallel ranks run collectives together, so every rank holding
+the model's pieces must agree), so ranks can never diverge even if a sampler were not
+bit-deterministic. Rows stop independently at ``eod`` (later positions
 hold ``eod`` and are not counted); the loop ends when every row has stopped or after
 ``max_new_tokens`` steps. The decision depends only on the (shared) tokens, so all TP ranks run
 the same number of steps and collectives, whatever the rows do: no rank can deadlock.
@@ -94,7 +96,7 @@ def last_logits(model, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _agree(tokens: torch.Tensor, group) -> torch.Tensor:
-    """Broadcast ``tokens`` from TP rank 0 of ``group`` (no-op without TP)."""
+    """Broadcast ``tokens`` from rank 0 of ``group`` (no-op for one rank)."""
     if group_size(group) > 1:
         dist.broadcast(tokens, dist.get_global_rank(group, 0), group=group)
     return tokens
@@ -130,10 +132,11 @@ def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cach
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | None = None, greedy: bool = True,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             use_cache: bool = True) -> GenerationResult:
+             use_cache: bool = True, group=None) -> GenerationResult:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; see the module docstring.
 
-    Collective over the model's TP group: every TP rank calls it with the same arguments.
+    Collective over the model's TP group (or ``group``, which must contain it: all ranks of an
+    expert-parallel MoE model): every rank calls it with the same arguments.
     ``max_new_tokens`` is cut so the longest row fits ``max_position_embeddings`` (learned
     positions; RoPE too, as the model was trained no further).
     """
@@ -159,7 +162,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     for step in range(max_new_tokens):
         logits = _step_logits(model, step_input, step_valid, cache)
         nxt = sample(last_logits(model, logits), greedy, temperature, top_k, top_p, gen).cpu()
-        nxt = _agree(nxt.to(device), model.tp_group).cpu()
+        nxt = _agree(nxt.to(device), group if group is not None else model.tp_group).cpu()
         nxt = torch.where(done, out[:, step], nxt)  # stopped rows keep their filler
         out[:, step] = nxt
         lengths += (~done).long()

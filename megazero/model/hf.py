@@ -93,7 +93,7 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"unsupported RoPE scaling {rope}")
         if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported Llama activation {c.get('hidden_act')!r}")
+            raise ValueError(f"unsupported activation hidden_act={c.get('hidden_act')!r} (SwiGLU needs silu)")
         if bool(c.get("attention_bias", False)) != bool(c.get("mlp_bias", False)):
             raise ValueError("attention_bias and mlp_bias must agree (one add_bias_linear flag)")
         heads = c["num_attention_heads"]
