@@ -117,17 +117,6 @@ def _stream_hf(reader, config, arch: str, kind: str, dtype: torch.dtype, path: s
 
 
 # ---- Hugging Face / Megatron-LM -> megazero -----------------------------------------------------
-def _hf_tensors(folder: str):
-    """A getter of one HF tensor by name: memory-mapped safetensors, else a ``weights_only`` .bin."""
-    st = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(st):
-        from safetensors import safe_open
-        handle = safe_open(st, framework="pt")
-        return handle.get_tensor, set(handle.keys())
-    state = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True, mmap=True)
-    return state.__getitem__, set(state)
-
-
 def model_args(config, dtype: torch.dtype) -> dict:
     """The saved ``args`` of an imported model: the model's (``config.to_args``, TP 1) and what
     :class:`CheckpointReader` and ``--load`` read (no optimizer state, one rank)."""
@@ -222,7 +211,7 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
         raise CheckpointError(f"{config_path}: cannot be read as JSON ({e})") from e
     arch = hfmap.arch_of(cfg)
     config = hfmap.config_from_hf(cfg)
-    get, have = _hf_tensors(hf_dir)
+    get, have = hfmap.hf_weights(hf_dir)
     mapping = hfmap.name_map(arch, config)
 
     def full_tensor(name):

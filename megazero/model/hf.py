@@ -205,17 +205,45 @@ def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torc
     return out
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _open_weights(file: str):
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+        handle = safe_open(file, framework="pt")  # memory-mapped, one tensor per get
+        return handle.get_tensor, set(handle.keys())
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    return state.__getitem__, set(state)
+
+
+def hf_weights(path: str):
+    """``(get, names)``: one tensor at a time from a saved HF folder's weights, the first of
+    :data:`WEIGHT_FILES` there (safetensors preferred); a ``*.index.json`` names the shard of each
+    tensor (``weight_map``), shards opened when first read."""
+    found = [os.path.join(path, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
+    if not found:
+        raise FileNotFoundError(f"{path}: none of {', '.join(WEIGHT_FILES)}")
+    if not found[0].endswith(".json"):
+        return _open_weights(found[0])
+    with open(found[0]) as fh:
+        weight_map = json.load(fh)["weight_map"]
+    shards = {}
+
+    def get(name: str) -> torch.Tensor:
+        shard = weight_map[name]
+        if shard not in shards:
+            shards[shard] = _open_weights(os.path.join(path, shard))[0]
+        return shards[shard](name)
+    return get, set(weight_map)
+
+
 def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, state dict) of a saved HF model folder (safetensors preferred)."""
+    """(config dict, state dict) of a saved HF model folder (:func:`hf_weights`)."""
     with open(os.path.join(path, "config.json")) as fh:
         config = json.load(fh)
-    st = os.path.join(path, "model.safetensors")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-        state = load_file(st)
-    else:
-        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    return config, state
+    get, names = hf_weights(path)
+    return config, {name: get(name) for name in sorted(names)}
 
 
 def load_hf(model, source) -> list[str]:

@@ -44,6 +44,14 @@ def _refuse(arch: str, key: str, value, why: str) -> ValueError:
     return ValueError(f"{MOE_ARCHS[arch]} config {key}={value!r}: {why}")
 
 
+def _moe(arch: str, **fields) -> MoEConfig:
+    try:
+        return MoEConfig(**fields)
+    except ValueError as e:  # worded in Megatron's flags: name the HF keys too
+        keys = "num_local_experts" if arch == "mixtral" else "num_experts"
+        raise ValueError(f"{MOE_ARCHS[arch]} config ({keys}, num_experts_per_tok): {e}") from None
+
+
 def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
     """The :class:`GPTConfig` fields an HF Mixtral / Qwen2-MoE config dict adds to Llama's (the
     ``moe`` block; Mixtral's FFN size), refusing what megazero cannot express."""
@@ -53,8 +61,8 @@ def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
             raise _refuse(arch, "sliding_window", window, "sliding-window attention is not available in megazero "
                                                           "(null, or >= max_position_embeddings, converts)")
         f = c["intermediate_size"]
-        moe = MoEConfig(num_experts=c["num_local_experts"], ffn_hidden_size=f, layer_pattern=(1,) * num_layers,
-                        router_topk=c.get("num_experts_per_tok", 2), pre_softmax=False)
+        moe = _moe(arch, num_experts=c["num_local_experts"], ffn_hidden_size=f, layer_pattern=(1,) * num_layers,
+                   router_topk=c.get("num_experts_per_tok", 2), pre_softmax=False)
         return {"ffn_hidden_size": f, "moe": moe}
     if c.get("qkv_bias", True):
         raise _refuse(arch, "qkv_bias", c.get("qkv_bias", True),
@@ -74,9 +82,9 @@ def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
     pattern = tuple(0 if n in dense or (n + 1) % step else 1 for n in range(num_layers))
     if not any(pattern):
         raise _refuse(arch, "mlp_only_layers", sorted(dense), f"with decoder_sparse_step {step} no layer is MoE")
-    moe = MoEConfig(num_experts=E, ffn_hidden_size=c["moe_intermediate_size"], layer_pattern=pattern,
-                    router_topk=c.get("num_experts_per_tok", 4), pre_softmax=not c.get("norm_topk_prob", False),
-                    shared_expert_intermediate_size=shared, shared_expert_gate=True)
+    moe = _moe(arch, num_experts=E, ffn_hidden_size=c["moe_intermediate_size"], layer_pattern=pattern,
+               router_topk=c.get("num_experts_per_tok", 4), pre_softmax=not c.get("norm_topk_prob", False),
+               shared_expert_intermediate_size=shared, shared_expert_gate=True)
     return {"moe": moe}
 
 

@@ -1,13 +1,16 @@
-"""Mixtral and Qwen2-MoE folders saved by ``transformers`` import with ``convert_checkpoint.py
-from-hf``, export back with ``to-hf`` to the same tensors (exact) under the Hub's names, load in
-transformers with the same logits, and ``tools/generate.py`` continues prompts as transformers'
-``generate`` does with the experts over EP 2 (and TP 2 x EP 2 with ETP 1)."""
+"""Mixtral and Qwen2-MoE folders saved by ``transformers`` (sharded) import with
+``convert_checkpoint.py from-hf``, export back with ``to-hf`` to the same tensors (exact) under
+the Hub's names, load in transformers with the same logits, and ``tools/generate.py`` continues
+prompts as transformers' ``generate`` does with the experts over EP 2, TP 2 x EP 2 and
+TP 2 x EP 2 x ETP 1."""
 import json
+import os
 
 import pytest
 import torch
 
 from megazero.checkpoint.reader import CheckpointReader
+from megazero.model.hf import read_hf_folder
 from megazero.testing import run_distributed
 from tests.checkpoint.test_convert_checkpoint import megazero_logits, tool
 from tests.model.test_hf_moe import EOD, VOCAB, mixtral, qwen2_moe
@@ -24,7 +27,7 @@ def imported(request, tmp_path_factory):
     """(style, HF folder, HF model, megazero checkpoint, GPTConfig)."""
     base = tmp_path_factory.mktemp(request.param)
     model = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}[request.param]()
-    model.save_pretrained(base / "hf")
+    model.save_pretrained(base / "hf", max_shard_size="40KB")  # sharded, as real MoE models are
     config, _ = tool().from_hf(str(base / "hf"), str(base / "mz"))
     return request.param, str(base / "hf"), model, str(base / "mz"), config
 
@@ -43,7 +46,9 @@ def test_import_export_exact(imported, tmp_path):
     ours = megazero_logits(reader, reader.full_model_state_dict(), ids)
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     conv.to_hf(mz, str(tmp_path / "out"))
-    saved, back = (safetensors.load_file(f"{d}/model.safetensors") for d in (hf_dir, tmp_path / "out"))
+    saved = read_hf_folder(hf_dir)[1]
+    assert len({s for s in os.listdir(hf_dir) if s.endswith(".safetensors")}) > 1  # from the shards
+    back = safetensors.load_file(f"{tmp_path}/out/model.safetensors")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == [type(model).__name__]

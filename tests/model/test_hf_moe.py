@@ -130,7 +130,8 @@ def test_routing_variants_one_process(make, kw):
                                             ("qwen2_moe", "num_experts", 0),
                                             ("qwen2_moe", "shared_expert_intermediate_size", 0),
                                             ("qwen2_moe", "hidden_act", "gelu"),
-                                            ("mixtral", "sliding_window", 8)])
+                                            ("mixtral", "sliding_window", 8),
+                                            ("mixtral", "num_experts_per_tok", 9)])
 def test_refuses_what_megazero_cannot_express(arch, key, value):
     make = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
     base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
