@@ -28,6 +28,7 @@ def mixtral(**overrides):
                num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
                max_position_embeddings=32, tie_word_embeddings=False, initializer_range=0.3, rms_norm_eps=1e-6,
                rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    torch.manual_seed(0)
     return _random(transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**cfg, **overrides})))
 
 
@@ -37,13 +38,13 @@ def qwen2_moe(**overrides):
                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_experts=4,
                num_experts_per_tok=2, mlp_only_layers=[1], qkv_bias=False, max_position_embeddings=32,
                initializer_range=0.3, norm_topk_prob=False)
+    torch.manual_seed(0)
     return _random(transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**cfg, **overrides})))
 
 
 def _random(model):
     """Every weight random (Qwen2-MoE's router starts at zero, norms at one), so a wrong mapping
     or routing shows."""
-    torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
