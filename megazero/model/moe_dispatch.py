@@ -18,7 +18,9 @@ compute, for every token ``t`` and chosen expert ``e``, ``p_te * Expert_e(x_t)``
   (``G`` ranks), each rank runs its local experts on every gathered token routed to them, and
   the weighted partial outputs are reduce-scattered back: ``(G - 1) T h`` per direction.
 
-The split sizes of an exchange are read on the host once per layer call (as Megatron does).
+The split sizes of an exchange are read on the host once per alltoall layer call (dropless
+routing has data-dependent sizes; Megatron-core's dispatcher reads them too), the local experts'
+row counts once per allgather call: an MoE iteration makes these reads beyond the loop's one.
 """
 
 from __future__ import annotations
@@ -60,21 +62,25 @@ def _regroup(rows: torch.Tensor, block_counts: list[list[int]], by_expert: bool)
 def alltoall_dispatch(x, probs, routing_map, experts, ep_group, etp_group, stats: dict):
     """See the module doc. ``experts(rows, counts)`` runs the local experts on rows grouped by
     local expert. ``stats`` receives the rows sent to other EP ranks (``sent_rows``)."""
-    EP = group_size(ep_group)
+    EP, ETP = group_size(ep_group), group_size(etp_group)
     rows, token_ids, weights, counts = permute(x, probs, routing_map)
     El = counts.numel() // EP
     send = counts.view(EP, El)
-    recv = exchange_counts(send, ep_group)
-    send_l, recv_l = send.tolist(), recv.tolist()
-    in_splits, out_splits = [sum(r) for r in send_l], [sum(r) for r in recv_l]
+    recv = exchange_counts(send, ep_group)  # [EP, El]: what each EP peer sends this rank per local expert
+    if ETP > 1:  # the expert-TP peers' received counts too: they gather each other's rows
+        recv = all_gather_dim0(recv.reshape(1, -1), etp_group).view(ETP * EP, El)
+    table = torch.cat([send.flatten(), recv.flatten()]).tolist()  # the layer call's one host read
+    send_l = [table[j * El:(j + 1) * El] for j in range(EP)]
+    blocks = [table[EP * El + b * El:EP * El + (b + 1) * El] for b in range(len(table) // El - EP)]
+    in_splits = [sum(r) for r in send_l]
+    me_etp = torch.distributed.get_rank(etp_group) if ETP > 1 else 0
+    out_splits = [sum(r) for r in blocks[me_etp * EP:(me_etp + 1) * EP]]
     me = torch.distributed.get_rank(ep_group) if EP > 1 else 0
     stats["sent_rows"] = sum(n for j, n in enumerate(in_splits) if j != me)
     got = all_to_all(rows, ep_group, out_splits, in_splits)
-    blocks, sizes = recv_l, None
-    if group_size(etp_group) > 1:
-        all_recv = all_gather_dim0(recv.reshape(1, -1), etp_group).view(-1, EP, El)
-        sizes = [int(v) for v in all_recv.sum(dim=(1, 2)).tolist()]
-        blocks = all_recv.reshape(-1, El).tolist()
+    sizes = None
+    if ETP > 1:
+        sizes = [sum(sum(b) for b in blocks[r * EP:(r + 1) * EP]) for r in range(ETP)]
         got = all_gather_v(got, etp_group, sizes)
     per_expert = [sum(b[le] for b in blocks) for le in range(El)]
     out = _regroup(experts(_regroup(got, blocks, True), per_expert), blocks, False)

@@ -106,16 +106,6 @@ def reduce_scatter_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
     return _ReduceScatterV.apply(x, group, list(sizes))
 
 
-def gather_sizes(n: int, group, device) -> list[int]:
-    """Every rank's ``n`` (one small all-gather and a host read), in rank order."""
-    if group_size(group) == 1:
-        return [n]
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
-    out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    dist.all_gather(list(out.chunk(group_size(group))), mine, group=group)
-    return [int(v) for v in out.tolist()]
-
-
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """``counts`` ``[p, k]`` (row ``j``: what this rank sends peer ``j``) -> ``[p, k]`` (row ``j``:
     what peer ``j`` sends this rank); no autograd."""

@@ -40,7 +40,7 @@ def params_sum_of_squares(regions, params_dtype: torch.dtype, device=None, world
     """``sum w^2`` (fp32 device scalar) over the counted segments of the regions' master shards;
     with fp16 parameters, of the master rounded to fp16 (the model weights Megatron reads).
     ``world``: to be summed over the world (a stage-0 region counts on its first replica only)."""
-    pieces = [r.master[a:b] for r in regions if r.counts_in_world or not world for a, b in r.norm_segments]
+    pieces = [r.master[a:b] for r in regions if not world or r.counts_in_world for a, b in r.norm_segments]
     if not pieces:
         return torch.zeros((), dtype=torch.float32, device=device)
     if params_dtype != torch.float16:
