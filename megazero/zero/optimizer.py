@@ -91,9 +91,8 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.device, self.params_dtype = cast_params(trainable, params_dtype)
         if self.device.type == "meta":  # built on the meta device: materialized by the regions below
             self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if accumulate_in_fp32 is None:
-            accumulate_in_fp32 = self.params_dtype == torch.bfloat16
-        fp32 = accumulate_in_fp32 or self.params_dtype == torch.float32
+        in_fp32 = self.params_dtype == torch.bfloat16 if accumulate_in_fp32 is None else accumulate_in_fp32
+        fp32 = in_fp32 or self.params_dtype == torch.float32
         self.grad_dtype = torch.float32 if fp32 else self.params_dtype
         self.scaler = make_loss_scaler(self.params_dtype, loss_scale, dynamic_loss_scale, initial_loss_scale,
                                        min_loss_scale, loss_scale_window, hysteresis)
@@ -105,10 +104,10 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         uncounted |= {p for p, name in shared_of.items() if groups[name][2] != 0}
         ctx = RegionContext(self.comm, stage, self.M, topo.dp_cp, topo.dp_cp_rank, self.grad_dtype, frozenset(uncounted),
                             param_init=param_init, device=self.device)
-        built = build_expert_and_dense(ctx, chunks, trainable, shared_of, set(expert_params), topo,
+        built = build_expert_and_dense(ctx, chunks, trainable, shared_of, set(expert_params), topo, units=units,
                                        reduce_bucket_size=reduce_bucket_size,
-                                       param_persistence_threshold=param_persistence_threshold, units=units)
-        self.has_experts = bool(expert_params)
+                                       param_persistence_threshold=param_persistence_threshold)
+        self.has_experts = bool(expert_params)  # their norm sums over the world at every stage
         self.regions: list[Region] = built.regions
         self.persistent_numel = built.persistent_numel
         self.build_peak_unit_bytes = built.peak_unit_bytes

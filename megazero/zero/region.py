@@ -69,7 +69,7 @@ class Region:
                  partitioned: bool, flush_every: int, keep_full_grad: bool, grad_dtype: torch.dtype,
                  shared: str | None = None, chunk: int = 0, param_init=None, device=None, group: str = "dp"):
         self.comm, self.stage, self.partitioned, self.shared, self.chunk = comm, stage, partitioned, shared, chunk
-        self.group = group  # the data-parallel group it reduces and shards over ("edp": MoE experts)
+        self.group = group
         self.flush_every = flush_every
         self.params = list(params)
         dtypes = {p.dtype for p in self.params}
@@ -87,9 +87,7 @@ class Region:
         self.padded = -(-off // n) * n
         self.shard_len = self.padded // n
         self.shard_lo = (dp_rank if stage >= 1 else 0) * self.shard_len
-        # whether a world-wide norm sum counts this rank's copy: every shard at stages 1-3, the
-        # first replica's at stage 0 (every replica holds the same all-reduced gradient)
-        self.counts_in_world = stage >= 1 or dp_rank == 0
+        self.counts_in_world = stage >= 1 or dp_rank == 0  # a world norm sum: stage 0's first replica only
 
         # parameters: views of one flat buffer (released between uses when partitioned); a meta
         # parameter is materialized here, one at a time, from param_init (so a partitioned
