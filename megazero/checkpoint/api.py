@@ -31,7 +31,8 @@ import torch.distributed as dist
 from megazero.checkpoint import files, schema
 from megazero.checkpoint.async_writer import AsyncWriter
 from megazero.checkpoint.reader import CheckpointReader
-from megazero.checkpoint.reshard import check_model_shape, load_resharded, named_parameters, rank_index, same_layout
+from megazero.checkpoint.reshard import (check_model_shape, load_buffers, load_resharded, named_parameters,
+                                         persistent_buffers, rank_index, same_layout)
 from megazero.checkpoint.rng import restore_rng, rng_state
 from megazero.checkpoint.schema import CheckpointError
 
@@ -84,18 +85,29 @@ def _snapshot(topo, stages, optimizer, index: dict, scheduler_state, counters: d
               save_rng: bool) -> dict:
     """This rank's file: what it alone writes (schema, "Written once"), on the host, without a
     copy of what already is (no extra memory)."""
-    whole = {p[1] for p in index["params"] if p[4] == schema.STORED_MODEL}
+    whole = {p[1] for p in index["params"] + index.get("buffers", []) if p[4] == schema.STORED_MODEL}
     model = [{} for _ in stages.chunks]
-    for c, name, _, _, p, _ in named_parameters(stages.chunks):
+    tensors = [(c, name, p) for c, name, _, _, p, _ in named_parameters(stages.chunks)]
+    for c, name, t in tensors + list(persistent_buffers(stages.chunks)):
         if name in whole:
-            model[c][name] = p.detach().to("cpu")
+            model[c][name] = t.detach().to("cpu")
     shards = [r["partitioned"] for r in index["regions"]]
-    optimizer_state = None
-    if save_optim:  # ZeRO 0: the replicas are DP rank 0's
-        optimizer_state = _host(optimizer.state_dict(shards=optimizer.stage >= 1 or topo.dp_rank == 0, copy=False))
+    optimizer_state = _host(_optimizer_state(topo, optimizer)) if save_optim else None
     return schema.rank_state(model, scheduler_state, counters, rng=rng_state(stages.rng_states) if save_rng else None,
                              optimizer=optimizer_state,
                              param_shards=_host(optimizer.param_shards(copy=False)) if any(shards) else None)
+
+
+def _optimizer_state(topo, optimizer) -> dict:
+    """The optimizer's counters and the fp32 shards this rank writes: all of them at ZeRO >= 1;
+    at ZeRO 0 the regions whose grid has this rank as DP rank 0 (expert-DP rank 0 for routed
+    experts' regions), ``None`` for the others, ``[]`` when it writes none (every replica is
+    another file's)."""
+    state = optimizer.state_dict(shards=True, copy=False)
+    if optimizer.stage == 0:
+        mine = [(topo.edp_rank if r.group == "edp" else topo.dp_rank) == 0 for r in optimizer.regions]
+        state["shards"] = [s if m else None for s, m in zip(state["shards"], mine)] if any(mine) else []
+    return state
 
 
 def start_save(root: str, *, topo, stages, optimizer, scheduler_state: dict | None, counters: dict, iteration: int,
@@ -157,12 +169,6 @@ def _choose_path(root: str, iteration: int, meta: dict, *, topo, stages, optimiz
     return exact, reader
 
 
-def _replica_rank(reader: CheckpointReader, topo) -> int:
-    """The rank of DP rank 0 at this rank's (TP, PP) position (it wrote the ZeRO-0 replicas)."""
-    return next(e["rank"] for e in reader.ranks
-                if (e["tp_rank"], e["pp_rank"], e["dp_rank"]) == (topo.tp_rank, topo.pp_rank, 0))
-
-
 def _load_exact(root: str, iteration: int, stages, optimizer, load_optim: bool, reader) -> dict:
     """This rank's file as saved into the chunks (and optimizer); returns the file's contents.
 
@@ -183,13 +189,15 @@ def _load_exact(root: str, iteration: int, stages, optimizer, load_optim: bool, 
             optimizer.reload_model_params()
     elif with_optim:
         opt = dict(state[schema.OPTIMIZER])
-        if not opt[schema.SHARDS] and optimizer.regions:
-            opt[schema.SHARDS] = reader.rank_state(_replica_rank(reader, optimizer.topo))[schema.OPTIMIZER][schema.SHARDS]
+        if optimizer.regions and (not opt[schema.SHARDS] or any(s is None for s in opt[schema.SHARDS])):
+            opt[schema.SHARDS] = reader.replica_shards(rank)
         state = dict(state, **{schema.OPTIMIZER: opt})
     else:
         load_resharded(reader, chunks, optimizer, load_optim=False)  # same layout: its own ranges
     if with_optim:
         optimizer.load_state_dict(state[schema.OPTIMIZER])
+    if reader is not None and reader.version >= 3:
+        load_buffers(reader, chunks)
     return state
 
 
@@ -212,6 +220,7 @@ def load_run(root: str, *, topo, stages, optimizer, layout: dict, model_config=N
         state = _load_exact(root, iteration, stages, optimizer, load_optim, reader)
     else:
         load_resharded(reader, stages.chunks, optimizer, load_optim=load_optim)
+        load_buffers(reader, stages.chunks)
         state = reader.rank_state(0)  # scheduler and counters: the same on every rank
         _print0(f"resharded {schema.iteration_dir(root, iteration)} (saved as {meta[schema.LAYOUT]}) into "
                 f"{layout} in {time.time() - t0:.2f} s; note: RNG states are not restored across layouts, "

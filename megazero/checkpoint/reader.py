@@ -49,30 +49,53 @@ class CheckpointReader:
         self.ranks, self.aliases = schema.read_index(self.metadata, schema.metadata_file(self.directory))
         self.version = schema.index_version(self.metadata)
         self.tp = int(self.layout["tensor_model_parallel_size"])
+        self.etp = int(schema.layout_value(self.layout, "expert_tensor_parallel_size") or self.tp)
         self.has_optimizer = not self.args.get("no_save_optim", False)
         self.bytes_read = 0  # tensor bytes copied out of the (memory-mapped) files so far
         self._files: dict[int, dict] = {}
         self._where: dict[str, list] = {}     # name -> [(tp_rank, dp_rank, rank, ParamEntry)] holding its weight
         self._regions: dict[str, list] = {}   # name -> [(tp_rank, dp_rank, rank, region, offset, numel, lo, len,
-        self._order: list[tuple] = []         #           partitioned, optimizer saved)]; (vstage, pos, name)
-        pp, zero = int(self.layout["pipeline_model_parallel_size"]), int(self.layout.get("zero_stage") or 0)
+        self._order: list[tuple] = []         #           partitioned, optimizer saved)]; (vstage, pos, ..., name)
+        self._size: dict[str, int] = {}       # name -> how many TP pieces (a routed expert's: expert TP)
+        self._buffers: set[str] = set()
+        self._writers: dict[tuple, tuple] = {}  # (tp rank, region params) -> (rank, region) saving its fp32 state
         for e in self.ranks:
-            t, d, r = e["tp_rank"], e["dp_rank"], e["rank"]
-            for pos, p in enumerate(schema.entry_params(e)):
-                if p.stored is not None:
-                    self._where.setdefault(p.name, []).append((t, d, r, p))
-                if t == 0 and d == 0:
-                    self._order.append((p.chunk * pp + e["pp_rank"], pos, p.name))
-            saved_opt = self.version < 3 or zero >= 1 or d == 0  # v3, ZeRO 0: DP rank 0 writes the replicas
-            for ri, reg in enumerate(e["regions"]):
-                for name, off, numel in reg["params"]:
-                    self._regions.setdefault(name, []).append(
-                        (t, d, r, ri, off, numel, reg["shard_lo"], reg["shard_len"], reg.get("partitioned", False),
-                         saved_opt))
+            self._scan(e)
         for v in self._where.values():
             v.sort(key=lambda x: (x[0], x[1]))
         for v in self._regions.values():
             v.sort(key=lambda x: (x[0], x[1]))
+
+    def _scan(self, e: dict) -> None:
+        """Record where rank entry ``e``'s file holds each weight, buffer and region. Tensor-
+        and data-parallel coordinates are those of the parameter's grid (a routed expert's:
+        expert TP and expert DP, :func:`schema.grid_ranks`); a run of expert parameters is
+        ordered at its position, by EP rank, so :meth:`param_names` is the same for any EP."""
+        pp, zero = int(self.layout["pipeline_model_parallel_size"]), int(self.layout.get("zero_stage") or 0)
+        params, run = schema.entry_params(e), None
+        for pos, p in enumerate(params):
+            t, d = schema.grid_ranks(e, p.expert)
+            self._size[p.name] = self.etp if p.expert else self.tp
+            if p.stored is not None:
+                self._where.setdefault(p.name, []).append((t, d, e["rank"], p))
+            run = (pos if run is None else run) if p.expert else None
+            if t == 0 and d == 0:
+                place = (run, e.get("ep_rank", 0), pos) if p.expert else (pos, 0, pos)
+                self._order.append((p.chunk * pp + e["pp_rank"], *place, p.name))
+        for b in schema.entry_buffers(e):
+            self._size[b.name], _ = self.tp, self._buffers.add(b.name)
+            if b.stored is not None:
+                self._where.setdefault(b.name, []).append((e["tp_rank"], e["dp_rank"], e["rank"], b))
+        experts = {p.name for p in params if p.expert}
+        for ri, reg in enumerate(e["regions"]):
+            t, d = schema.grid_ranks(e, bool(reg["params"]) and reg["params"][0][0] in experts)
+            saved_opt = self.version < 3 or zero >= 1 or d == 0  # v3+, ZeRO 0: DP rank 0 writes the replicas
+            if saved_opt and self.has_optimizer:
+                self._writers.setdefault((t, _region_key(reg)), (e["rank"], ri))
+            for name, off, numel in reg["params"]:
+                self._regions.setdefault(name, []).append(
+                    (t, d, e["rank"], ri, off, numel, reg["shard_lo"], reg["shard_len"],
+                     reg.get("partitioned", False), saved_opt))
 
     # ---- files -------------------------------------------------------------------------------
     def rank_state(self, rank: int) -> dict:
@@ -87,15 +110,33 @@ class CheckpointReader:
     def rank_index(self, rank: int) -> dict:
         return self.ranks[rank]
 
+    def replica_shards(self, rank: int) -> list:
+        """ZeRO 0: the fp32 state of each of ``rank``'s regions, from the file that saved that
+        region (DP rank 0 of its grid at the same position: the replicas are equal)."""
+        e, out = self.ranks[rank], []
+        experts = {p.name for p in schema.entry_params(e) if p.expert}
+        for reg in e["regions"]:
+            t, _ = schema.grid_ranks(e, bool(reg["params"]) and reg["params"][0][0] in experts)
+            src = self._writers.get((t, _region_key(reg)))
+            if src is None:
+                raise CheckpointError(f"{self.directory}: no file holds the fp32 state of rank {rank}'s region "
+                                      f"starting with {reg['params'][0][0] if reg['params'] else None!r}")
+            out.append(self._source(src[0], (schema.OPTIMIZER, schema.SHARDS, src[1])))
+        return out
+
     # ---- description -------------------------------------------------------------------------
     def param_names(self) -> list[str]:
         """Every parameter once, in model order (virtual stage, then position in the chunk); an
         alias is left out when its canonical parameter is saved."""
         names = []
-        for _, _, name in sorted(self._order):
+        for *_, name in sorted(self._order):
             if name not in names and self.aliases.get(name) not in self._where:
                 names.append(name)
         return names
+
+    def has_buffer(self, name: str) -> bool:
+        """Whether the checkpoint saved persistent buffer ``name`` (read it with :meth:`full_param`)."""
+        return name in self._buffers and name in self._where
 
     def resolve(self, name: str) -> str:
         """The saved name holding ``name``'s tensor (itself, or its alias's canonical name);
@@ -172,8 +213,8 @@ class CheckpointReader:
         and local shape, read directly (:meth:`_flat_range`); otherwise ``to_local(full)`` of the
         full tensor (the TP size changed: one full parameter in memory)."""
         name = self.resolve(name)
-        entry = next(w[3] for w in self._where[name] if w[0] == min(tp_rank, self.tp - 1))
-        if tp == self.tp and tuple(entry.shape) == tuple(shape):
+        entry = next(w[3] for w in self._where[name] if w[0] == min(tp_rank, self._size[name] - 1))
+        if tp == self._size[name] and tuple(entry.shape) == tuple(shape):
             return self._flat_range(name, kind, tp_rank, entry.numel(), a, b)
         if entry.split is None and tuple(entry.shape) == tuple(shape):  # replicated: any saved copy
             return self._flat_range(name, kind, 0, entry.numel(), a, b)
@@ -186,14 +227,15 @@ class CheckpointReader:
         and position holding it, ``(-1, -1)`` for padding rows. Positions are followed through
         the split rule itself (:meth:`TPSplit.to_local` of ``1 + arange(full length)``), so
         partition blocks and padded vocabularies map as the model maps them."""
-        d, full_len = split.dim, split.real_rows or entry.shape[split.dim] * self.tp
+        saved = self._size[entry.name]
+        d, full_len = split.dim, split.real_rows or entry.shape[split.dim] * saved
         ids = (torch.arange(full_len) + 1).reshape((-1, 1) if d == 0 else (1, -1))
 
         def positions(rank, size, rows):
             return split.to_local(ids, rank, size, local_rows=rows if d == 0 else None).reshape(-1) - 1
         owner_rank, owner_pos = torch.full((full_len,), -1), torch.full((full_len,), -1)
-        for t in range(self.tp):
-            old = positions(t, self.tp, entry.shape[0])
+        for t in range(saved):
+            old = positions(t, saved, entry.shape[0])
             real = old >= 0
             owner_rank[old[real]], owner_pos[old[real]] = t, torch.arange(len(old))[real]
         new = positions(tp_rank, tp, local_len)
@@ -245,7 +287,7 @@ class CheckpointReader:
         entry = self._where[name][0][3]
         if entry.split is None:
             return self._local(name, kind, 0, entry.shape).clone()
-        pieces = [self._local(name, kind, t, entry.shape) for t in range(self.tp)]
+        pieces = [self._local(name, kind, t, entry.shape) for t in range(self._size[name])]
         return entry.split.to_full(pieces).clone()
 
     def full_meta(self, name: str, kind: str = "weight") -> torch.Tensor:
@@ -256,7 +298,7 @@ class CheckpointReader:
         entry = self._where[self.resolve(name)][0][3]
         dtype = getattr(torch, self.layout.get("params_dtype") or "float32") if kind == "weight" else torch.float32
         local = torch.empty(entry.shape, dtype=dtype, device="meta")
-        return local if entry.split is None else entry.split.to_full([local] * self.tp)
+        return local if entry.split is None else entry.split.to_full([local] * self._size[entry.name])
 
     def iter_full_params(self, kind: str = "weight", dtype=None):
         """Yield ``(name, full tensor)`` one parameter at a time (see :meth:`param_names`)."""
@@ -272,3 +314,8 @@ class CheckpointReader:
         """Optimizer step count, loss-scaler state and skip counters (equal on every rank)."""
         opt = self.rank_state(0).get(schema.OPTIMIZER)
         return None if opt is None else {k: v for k, v in opt.items() if k != schema.SHARDS}
+
+
+def _region_key(region: dict) -> tuple:
+    """A region's identity across the files of one checkpoint: its ordered ``(name, offset, numel)``."""
+    return tuple(tuple(p) for p in region["params"])

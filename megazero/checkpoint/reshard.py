@@ -21,6 +21,12 @@ the elements ``[a, b)`` of its flat TP-local tensor that fall in this rank's new
 Each rank asks only for the elements inside its new ZeRO shard: with the TP split unchanged
 they are read as byte ranges of the old (memory-mapped) files, so a rank reads about its share;
 when the TP size changes, one full parameter at a time is rebuilt and sliced.
+
+MoE: a routed expert's weight (its module has ``expert_parallel``) is on the expert grid -- only
+its EP rank holds it, split over expert TP (``etp_rank`` of ``etp``), kept whole by expert-DP
+rank 0 and sharded over expert DP -- so it is indexed and read with those coordinates; found by
+name, it loads into any EP size. Persistent buffers (the router's ``expert_bias``) are indexed as
+``buffers`` and loaded whole (:func:`load_buffers`).
 """
 
 from __future__ import annotations
@@ -47,19 +53,42 @@ def named_parameters(chunks):
                 yield c, name, module, p_name, p, split
 
 
+def is_expert(module) -> bool:
+    """Whether ``module``'s parameters are a routed expert's (on the expert grid)."""
+    return bool(getattr(module, "expert_parallel", False))
+
+
+def persistent_buffers(chunks):
+    """``(chunk index, name, buffer)`` of every persistent buffer (saved state), once."""
+    seen = set()
+    for c, chunk in enumerate(chunks):
+        for mod_name, module in chunk.named_modules():
+            for b_name, buf in module.named_buffers(recurse=False):
+                if buf is None or b_name in module._non_persistent_buffers_set or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                yield c, (f"{mod_name}.{b_name}" if mod_name else b_name), buf
+
+
 def rank_index(topo, chunks, optimizer) -> dict:
     """This rank's entry of the index (:func:`schema.index_entry`), with where its file stores
     each weight: ``"shard"`` for a parameter of a partitioned (ZeRO-3) region, ``"model"`` on DP
-    rank 0 for the others, ``None`` (DP rank 0's file has it) elsewhere."""
+    rank 0 of the parameter's grid (expert-DP rank 0 for a routed expert's) for the others,
+    ``None`` (that rank's file has it) elsewhere; buffers ``"model"`` on DP rank 0."""
     name_of = {id(p): name for _, name, _, _, p, _ in named_parameters(chunks)}
     regions = optimizer.layout(name_of)
     sharded = {name for r in regions if r["partitioned"] for name, _, _ in r["params"]}
     params = []
-    for c, name, _, _, p, split in named_parameters(chunks):
-        stored = schema.STORED_SHARD if name in sharded else (schema.STORED_MODEL if topo.dp_rank == 0 else None)
-        params.append(schema.ParamEntry(c, name, tuple(p.shape), split, stored))
+    for c, name, module, _, p, split in named_parameters(chunks):
+        expert = is_expert(module)
+        first = (topo.edp_rank if expert else topo.dp_rank) == 0
+        stored = schema.STORED_SHARD if name in sharded else (schema.STORED_MODEL if first else None)
+        params.append(schema.ParamEntry(c, name, tuple(p.shape), split, stored, expert))
+    buffers = [schema.ParamEntry(c, name, tuple(b.shape), None, schema.STORED_MODEL if topo.dp_rank == 0 else None)
+               for c, name, b in persistent_buffers(chunks)]
+    coords = (topo.ep_rank, topo.etp_rank, topo.edp_rank) if any(p.expert for p in params) else None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, regions)
+    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, regions, coords, buffers)
 
 
 def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
@@ -103,8 +132,9 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
 
     def fetch(p, kind, a, b):
         name, module, p_name = info[id(p)]
-        return reader.local_range(name, kind, topo.tp_rank, topo.tp, tuple(p.shape), a, b,
-                                  to_local=lambda full: to_local(module, p_name, full, topo.tp_rank, topo.tp))
+        rank, size = (topo.etp_rank, topo.etp) if is_expert(module) else (topo.tp_rank, topo.tp)
+        return reader.local_range(name, kind, rank, size, tuple(p.shape), a, b,
+                                  to_local=lambda full: to_local(module, p_name, full, rank, size))
 
     with_optim = load_optim and reader.has_optimizer
     optimizer.load_param_ranges(fetch, OPT_KINDS if with_optim else ("weight",))
@@ -116,3 +146,21 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
         counters = dict(counters, scaler=scaler)
     optimizer.load_counters(counters)
     return True
+
+
+@torch.no_grad()
+def load_buffers(reader: CheckpointReader, chunks) -> list[str]:
+    """Copy every persistent buffer the checkpoint saved into ``chunks``' (whole, replicated);
+    returns the names it holds none of (left as they are: e.g. a checkpoint saved before
+    buffers were, or without ``--moe-router-enable-expert-bias``)."""
+    missing = []
+    for _, name, buf in persistent_buffers(chunks):
+        if not reader.has_buffer(name):
+            missing.append(name)
+            continue
+        saved = reader.full_param(name)
+        if tuple(saved.shape) != tuple(buf.shape):
+            raise CheckpointError(f"{reader.directory}: buffer {name!r} saved as {tuple(saved.shape)}, "
+                                  f"this model's is {tuple(buf.shape)}")
+        buf.copy_(saved)
+    return missing

@@ -1,6 +1,6 @@
 """The on-disk checkpoint format: the one place that names its paths, keys and version.
 
-Format version 3 (:data:`VERSION`; versions 1 and 2 still read)::
+Format version 4 (:data:`VERSION`; versions 1-3 still read)::
 
     DIR/latest_checkpointed_iteration.txt      "100\\n" -- the pointer, written last, atomically
     DIR/iter_0000100/metadata.json             {"iteration", "consumed_samples", "layout", "args", "index"}
@@ -25,9 +25,11 @@ its full TP-local weights, ZeRO-3 gathered.)
 ``metadata.json``: ``layout`` (:data:`LAYOUT_KEYS`), ``args`` (the saving run's arguments, JSON
 values only, with the model's under Megatron names), and ``index``::
 
-    {"version": 3, "aliases": {copy name: canonical name},
+    {"version": 4, "aliases": {copy name: canonical name},
      "ranks": [{"rank": r, "tp_rank": t, "pp_rank": p, "dp_rank": d,
-                "params":  [[chunk, name, local_shape, split, stored], ...],
+                "ep_rank": e, "etp_rank": et, "edp_rank": ed,            # version 4, ranks holding experts
+                "params":  [[chunk, name, local_shape, split, stored(, "expert")], ...],
+                "buffers": [[chunk, name, shape, null, stored], ...],    # version 4, when there are any
                 "regions": [{"params": [[name, offset, numel], ...], "padded": P,
                              "shard_lo": lo, "shard_len": n, "partitioned": bool}, ...]}, ...]}
 
@@ -41,6 +43,21 @@ and DP rank ``d`` holds ``[lo, lo + n)`` of it. ``aliases`` names parameters tha
 another (tied embeddings): a reader gives the canonical tensor for a copy no rank saved. A
 version-1 index has no ``aliases``; every version-1 checkpoint is a GPT, whose tie
 (:data:`FORMAT1_ALIASES`) applies unless its args say ``untie_embeddings_and_output_weights``.
+
+**Version 4: the expert grid and buffers.** A routed expert's weight (``"expert"`` after
+``stored``) lives on the expert grid (:mod:`megazero.parallel.topology`): only its EP rank
+holds it, it is split over expert TP (its piece is that of the entry's ``etp_rank``, of
+``expert_tensor_parallel_size`` pieces), kept whole by expert-DP rank 0 (``edp_rank``), and its
+ZeRO region is sharded over the expert-DP ranks (``shard_lo`` counts in that group); at ZeRO 0
+the fp32 state of a region is written by DP rank 0 of its grid (expert-DP rank 0 for experts),
+the other ranks' ``shards`` lists hold ``None`` there. ``buffers`` are persistent module
+buffers that are training state without optimizer state (the MoE router's fp32
+``expert_bias``), written with the weights (``model``) by DP rank 0, replicated over TP. The
+layout gains ``expert_model_parallel_size`` and ``expert_tensor_parallel_size`` (absent in
+older files: 1 and TP). A checkpoint whose index needs none of this (a dense model) is written
+as version 3, so older readers keep reading it; an MoE checkpoint is version 4, which older
+readers refuse by version instead of misreading. A version 1-3 checkpoint of an MoE model
+(saved before the expert grid was recorded, with experts of EP ranks > 0 unsaved) is refused.
 """
 
 from __future__ import annotations
@@ -52,8 +69,9 @@ import torch
 
 from megazero.tensor_parallel.spec import TPSplit
 
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+DENSE_VERSION = 3  # what an index without expert-grid entries or buffers is written as
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
@@ -63,11 +81,13 @@ MODEL, RNG, SCHEDULER, COUNTERS, OPTIMIZER = "model", "rng", "scheduler", "count
 SHARDS = "shards"  # inside OPTIMIZER: per ZeRO region {kind: this DP rank's flat fp32 shard}
 PARAM_SHARDS = "param_shards"  # ZeRO-3: per region this DP rank's flat parameter shard (or None)
 STORED_MODEL, STORED_SHARD = "model", "shard"  # where a file holds a weight (ParamEntry.stored)
+EXPERT = "expert"  # a parameter entry's grid marker: a routed expert's weight (version 4)
 COUNTER_KEYS = ("skipped", "nans")
 # metadata keys
 ITERATION, CONSUMED_SAMPLES, LAYOUT, ARGS, INDEX = "iteration", "consumed_samples", "layout", "args", "index"
 LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage", "params_dtype")
+               "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage", "params_dtype",
+               "expert_model_parallel_size", "expert_tensor_parallel_size")
 FORMAT1_ALIASES = {"output_layer.weight": "embedding.word_embeddings.weight"}
 
 
@@ -129,16 +149,31 @@ def _dtype_name(value) -> str:
     return str(value).replace("torch.", "")
 
 
-def layout(world_size: int, tp: int, pp: int, vp: int | None, dp: int, zero_stage: int, params_dtype) -> dict:
-    """The parallel layout record (``vp`` None when not interleaved; dtype by name)."""
+def layout(world_size: int, tp: int, pp: int, vp: int | None, dp: int, zero_stage: int, params_dtype,
+           ep: int = 1, etp: int | None = None) -> dict:
+    """The parallel layout record (``vp`` None when not interleaved; dtype by name; ``etp``
+    None: TP)."""
     return {"world_size": world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "virtual_pipeline_model_parallel_size": vp, "data_parallel_size": dp, "zero_stage": zero_stage,
-            "params_dtype": _dtype_name(params_dtype)}
+            "params_dtype": _dtype_name(params_dtype), "expert_model_parallel_size": int(ep),
+            "expert_tensor_parallel_size": int(tp if etp is None else etp)}
+
+
+def layout_value(record: dict, key: str):
+    """``record[key]``; for a record saved before the key existed, its value then: EP 1, ETP = TP."""
+    if key in record:
+        return record[key]
+    if key == "expert_model_parallel_size":
+        return 1
+    if key == "expert_tensor_parallel_size":
+        return record.get("tensor_model_parallel_size")
+    return None
 
 
 def layout_diffs(saved: dict, current: dict) -> list[str]:
     """``"key saved X vs now Y"`` for every layout key that differs."""
-    return [f"{k} saved {saved.get(k)} vs now {current.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != current.get(k)]
+    values = [(k, layout_value(saved, k), layout_value(current, k)) for k in LAYOUT_KEYS]
+    return [f"{k} saved {a} vs now {b}" for k, a, b in values if a != b]
 
 
 def metadata(iteration: int, consumed_samples: int, layout: dict, args: dict, index: dict, **extra) -> dict:
@@ -150,17 +185,20 @@ def metadata(iteration: int, consumed_samples: int, layout: dict, args: dict, in
 # ---- index -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParamEntry:
-    """One parameter of a rank file: ``file[MODEL][chunk][name]``, of TP-local ``shape``."""
+    """One parameter of a rank file: ``file[MODEL][chunk][name]``, of TP-local ``shape``
+    (``expert``: a routed expert's, split over expert TP, replicated over expert DP)."""
 
     chunk: int
     name: str
     shape: tuple[int, ...]
     split: TPSplit | None
     stored: str | None = STORED_MODEL
+    expert: bool = False
 
     def to_json(self) -> list:
-        return [int(self.chunk), self.name, [int(s) for s in self.shape],
-                None if self.split is None else self.split.to_json(), self.stored]
+        out = [int(self.chunk), self.name, [int(s) for s in self.shape],
+               None if self.split is None else self.split.to_json(), self.stored]
+        return out + [EXPERT] if self.expert else out
 
     def numel(self) -> int:
         n = 1
@@ -172,19 +210,36 @@ class ParamEntry:
     def from_json(cls, obj) -> "ParamEntry":
         chunk, name, shape, split = obj[:4]
         stored = obj[4] if len(obj) > 4 else STORED_MODEL  # versions 1-2: every file has its weights
-        return cls(int(chunk), name, tuple(int(s) for s in shape), TPSplit.from_json(split), stored)
+        return cls(int(chunk), name, tuple(int(s) for s in shape), TPSplit.from_json(split), stored,
+                   len(obj) > 5 and obj[5] == EXPERT)
 
 
 def index_entry(rank: int, tp_rank: int, pp_rank: int, dp_rank: int, params: list[ParamEntry],
-                regions: list[dict]) -> dict:
-    """One rank's entry of the index (JSON values; equal to itself after a JSON round trip)."""
-    return {"rank": int(rank), "tp_rank": int(tp_rank), "pp_rank": int(pp_rank), "dp_rank": int(dp_rank),
-            "params": [p.to_json() for p in params], "regions": regions}
+                regions: list[dict], expert: tuple[int, int, int] | None = None,
+                buffers: list[ParamEntry] = ()) -> dict:
+    """One rank's entry of the index (JSON values; equal to itself after a JSON round trip);
+    ``expert``: the rank's ``(ep_rank, etp_rank, edp_rank)`` when it holds routed experts."""
+    entry = {"rank": int(rank), "tp_rank": int(tp_rank), "pp_rank": int(pp_rank), "dp_rank": int(dp_rank)}
+    if expert is not None:
+        entry.update(zip(("ep_rank", "etp_rank", "edp_rank"), (int(v) for v in expert)))
+    entry["params"] = [p.to_json() for p in params]
+    if buffers:
+        entry["buffers"] = [b.to_json() for b in buffers]
+    entry["regions"] = regions
+    return entry
+
+
+def entry_version(entry: dict) -> int:
+    """The oldest format version that can hold ``entry``: 4 with experts or buffers, else 3."""
+    v4 = "ep_rank" in entry or "buffers" in entry or any(len(p) > 5 for p in entry["params"])
+    return VERSION if v4 else DENSE_VERSION
 
 
 def make_index(ranks: list[dict], aliases: dict[str, str]) -> dict:
-    """The index of this format version from every rank's entry (rank order)."""
-    return {"version": VERSION, "aliases": dict(sorted(aliases.items())), "ranks": list(ranks)}
+    """The index of every rank's entry (rank order), of the oldest version that holds them all
+    (a dense model's stays readable by version-3 readers)."""
+    version = max([DENSE_VERSION] + [entry_version(e) for e in ranks])
+    return {"version": version, "aliases": dict(sorted(aliases.items())), "ranks": list(ranks)}
 
 
 def read_index(meta: dict, where: str) -> tuple[list[dict], dict[str, str]]:
@@ -197,6 +252,10 @@ def read_index(meta: dict, where: str) -> tuple[list[dict], dict[str, str]]:
     if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: checkpoint format version {version} is not one this megazero reads "
                               f"({READABLE_VERSIONS})")
+    if version < 4 and meta.get(ARGS, {}).get("num_experts"):
+        raise CheckpointError(f"{where}: an MoE checkpoint of format version {version}, saved before the expert "
+                              "grid was recorded (routed experts of EP ranks > 0 and the expert bias were not "
+                              "written); it cannot be loaded")
     if version == 1:
         tied = not meta.get(ARGS, {}).get("untie_embeddings_and_output_weights", False)
         return index["ranks"], dict(FORMAT1_ALIASES) if tied else {}
@@ -220,3 +279,14 @@ def index_version(meta: dict) -> int:
 def entry_params(entry: dict) -> list[ParamEntry]:
     """The :class:`ParamEntry` list of one rank's index entry."""
     return [ParamEntry.from_json(p) for p in entry["params"]]
+
+
+def entry_buffers(entry: dict) -> list[ParamEntry]:
+    """The persistent buffers of one rank's index entry (version 4; none before)."""
+    return [ParamEntry.from_json(b) for b in entry.get("buffers", ())]
+
+
+def grid_ranks(entry: dict, expert: bool) -> tuple[int, int]:
+    """``(tp_rank, dp_rank)`` of a rank entry on the grid of a parameter: the expert grid's
+    ``(etp_rank, edp_rank)`` for a routed expert's, else the dense ``(tp_rank, dp_rank)``."""
+    return (entry["etp_rank"], entry["edp_rank"]) if expert else (entry["tp_rank"], entry["dp_rank"])

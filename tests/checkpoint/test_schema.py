@@ -36,7 +36,7 @@ def test_index_entry_equals_its_json_round_trip():
     index = schema.make_index([entry], {"output_layer.weight": "embedding.word_embeddings.weight"})
     meta = json.loads(json.dumps(schema.metadata(7, 56, schema.layout(1, 1, 1, None, 1, 0, torch.bfloat16),
                                                  {"seed": 1}, index, imported_from="x")))
-    assert meta["index"]["version"] == schema.VERSION == 3
+    assert meta["index"]["version"] == schema.DENSE_VERSION == 3  # a dense model's index: still version 3
     assert meta["layout"]["params_dtype"] == "bfloat16" and meta["imported_from"] == "x"
     assert schema.read_index(meta, "m") == ([entry], {"output_layer.weight": "embedding.word_embeddings.weight"})
 
@@ -62,6 +62,11 @@ def test_rank_state_keys_and_layout_diffs():
     a = schema.layout(4, 2, 1, None, 2, 1, "float32")
     assert schema.layout_diffs(a, dict(a, zero_stage=3)) == ["zero_stage saved 1 vs now 3"]
     assert tuple(a) == schema.LAYOUT_KEYS
+    # a layout saved before EP/ETP were recorded reads as EP 1, ETP = TP
+    old = {k: v for k, v in a.items() if not k.startswith("expert_")}
+    assert schema.layout_diffs(old, a) == []
+    assert schema.layout_diffs(old, schema.layout(4, 2, 1, None, 2, 1, "float32", ep=2, etp=1)) == [
+        "expert_model_parallel_size saved 1 vs now 2", "expert_tensor_parallel_size saved 2 vs now 1"]
 
 
 class _Tracker:
@@ -104,3 +109,26 @@ def test_format3_entries_compare_with_older_versions():
     assert schema.comparable_entry(entry, 3) == entry
     assert schema.ParamEntry.from_json(old["params"][0]).stored == schema.STORED_MODEL
 
+
+
+def test_format4_expert_grid_and_buffers():
+    """An entry with a routed expert's weight and a buffer is version 4: the rank's expert-grid
+    coordinates, the expert marker after ``stored``, the buffers; all survive JSON. A version 1-3
+    index of an MoE model is refused (its experts of EP ranks > 0 were never written)."""
+    params = [schema.ParamEntry(0, "layers.0.mlp.router.weight", (4, 8), None),
+              schema.ParamEntry(0, "layers.0.mlp.experts.2.fc1.weight", (6, 8), TPSplit(0, (6, 6)),
+                                schema.STORED_MODEL, expert=True)]
+    buffers = [schema.ParamEntry(0, "layers.0.mlp.router.expert_bias", (4,), None)]
+    entry = schema.index_entry(3, 1, 0, 1, params, [], expert=(1, 0, 0), buffers=buffers)
+    assert json.loads(json.dumps(entry)) == entry
+    assert (entry["ep_rank"], entry["etp_rank"], entry["edp_rank"]) == (1, 0, 0)
+    assert schema.entry_params(entry) == params and schema.entry_buffers(entry) == buffers
+    assert schema.grid_ranks(entry, True) == (0, 0) and schema.grid_ranks(entry, False) == (1, 1)
+    dense = schema.index_entry(0, 0, 0, 0, params[:1], [])
+    assert schema.make_index([dense], {})["version"] == 3
+    assert schema.make_index([dense, entry], {})["version"] == schema.VERSION == 4
+    assert schema.make_index([schema.index_entry(0, 0, 0, 0, params[:1], [], buffers=buffers)], {})["version"] == 4
+    meta = {"args": {"num_experts": 4}, "index": {"version": 3, "aliases": {}, "ranks": [dense]}}
+    with pytest.raises(schema.CheckpointError, match="MoE checkpoint of format version 3"):
+        schema.read_index(meta, "m")
+    assert schema.read_index(dict(meta, index=schema.make_index([entry], {})), "m") == ([entry], {})
