@@ -144,15 +144,9 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
                               ("--disable-bias-linear", not c.add_bias_linear),
                               ("--apply-layernorm-1p", c.apply_layernorm_1p),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
-    m = c.moe
-    if m is not None:  # Megatron's MoE flags for what the HF model has
-        freq = "1" if all(m.layer_pattern) else "'" + str(list(m.layer_pattern)).replace(" ", "") + "'"
-        flags += [f"--num-experts {m.num_experts} --moe-ffn-hidden-size {m.ffn_hidden_size}",
-                  f"--moe-router-topk {m.router_topk} --moe-layer-freq {freq}"]
-        flags += ["--moe-router-pre-softmax"] if m.pre_softmax else []
-        if m.shared_expert_intermediate_size:
-            flags.append(f"--moe-shared-expert-intermediate-size {m.shared_expert_intermediate_size}"
-                         + (" --moe-shared-expert-gate" if m.shared_expert_gate else ""))
+    if c.moe is not None:  # Megatron's MoE flags
+        from megazero.checkpoint.megatron_moe import moe_flags
+        flags += moe_flags(c.moe)
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
     return " ".join(flags)
@@ -160,36 +154,35 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
 
 def write_imported(save: str, config, full_tensor, iteration: int, dtype: str, extra_args: dict, source: str):
     """A one-rank megazero checkpoint (TP 1, DP 1, ZeRO 0, no optimizer state) of ``config``'s
-    parameters, ``full_tensor(name)`` giving each full, unpadded tensor under megazero's names."""
-    from megazero.checkpoint.reshard import named_parameters
+    parameters, ``full_tensor(name)`` giving each full, unpadded tensor under megazero's names;
+    persistent buffers (an MoE router's ``expert_bias``) too where the source has them (else
+    left out: a run loading it keeps its own, zeros)."""
+    from megazero.checkpoint.reshard import is_expert, named_parameters, persistent_buffers
     from megazero.model import GPTModel
     from megazero.model.gpt import WORD_EMBEDDING
-    # templates give each parameter's module (TP split rule, vocab padding) without drawing weights
-    # (meta): embedding + head, and one layer of each kind (dense, MoE) whose names are renumbered
-    ends = GPTModel(config, None, layer_start=0, layer_end=0, pre_process=True, post_process=True, meta_init=True)
-    entries = list(named_parameters([ends]))
-    kind = [config.moe.is_moe(i) if config.moe is not None else False for i in range(config.num_layers)]
-    per_kind = {}
-    for k in set(kind):
-        j = kind.index(k)
-        layer = GPTModel(config, None, layer_start=j, layer_end=j + 1, pre_process=False, post_process=False,
-                         meta_init=True)
-        per_kind[k] = (j, list(named_parameters([layer])))
-    ordered = [e for e in entries if e[1].startswith("embedding.")]
-    ordered += [(0, name.replace(f"layers.{per_kind[kind[i]][0]}.", f"layers.{i}.", 1), m, pn, p, sp)
-                for i in range(config.num_layers) for _, name, m, pn, p, sp in per_kind[kind[i]][1]]
-    ordered += [e for e in entries if not e[1].startswith("embedding.")]
-    sd, params, target = {}, [], DTYPES[dtype]
-    for _, name, module, p_name, p, split in ordered:
+    # a meta-device model gives each parameter's module (TP split rule, vocab padding, expert or
+    # not) and the order, drawing nothing
+    template = GPTModel(config, None, meta_init=True)
+    sd, params, buffers, target = {}, [], [], DTYPES[dtype]
+    for _, name, module, p_name, p, split in named_parameters([template]):
         full = full_tensor(name)
         local = full if split is None else split.to_local(full, 0, 1, local_rows=p.shape[split.dim])
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{name}: the source gives {tuple(local.shape)}, expected {tuple(p.shape)}")
         sd[name] = local.to(target).contiguous()
-        params.append(schema.ParamEntry(0, name, tuple(p.shape), split))
-    del ends, per_kind
+        params.append(schema.ParamEntry(0, name, tuple(p.shape), split, expert=is_expert(module)))
+    for _, name, buf in persistent_buffers([template]):
+        try:
+            value = full_tensor(name)
+        except (KeyError, CheckpointError):
+            print(f"note: the source has no {name}; a run loading this checkpoint keeps its own")
+            continue
+        sd[name] = value.to(buf.dtype).reshape(buf.shape).contiguous()
+        buffers.append(schema.ParamEntry(0, name, tuple(buf.shape), None))
+    del template
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
-    index = schema.make_index([schema.index_entry(0, 0, 0, 0, params, regions=[])], aliases)
+    expert = (0, 0, 0) if any(p.expert for p in params) else None
+    index = schema.make_index([schema.index_entry(0, 0, 0, 0, params, [], expert, buffers)], aliases)
     metadata = schema.metadata(iteration, 0, schema.layout(1, 1, 1, None, 1, 0, target),
                                {**model_args(config, target), **extra_args}, index, imported_from=source)
     state = schema.rank_state([sd], scheduler=None, counters={"skipped": 0, "nans": 0})

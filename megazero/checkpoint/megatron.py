@@ -33,6 +33,9 @@ Facts from NVIDIA/Megatron-LM, tag ``core_v0.13.0``:
 * Column-parallel weights (embedding, output layer, QKV, fc1) concatenate over TP on rows,
   row-parallel ones (``dense``/``linear_proj``, ``fc2``) on columns; biases of row-parallel
   layers and norms are replicated. Vocabulary rows are padded (``padded_vocab_size``).
+* MoE (mcore): expert-parallel rank folders ``mp_rank_TT[_PPP]_EEE``, router, routed experts in
+  the sequential, TE-grouped and legacy grouped layouts, shared experts:
+  :mod:`megazero.checkpoint.megatron_moe`.
 
 Only the weights are read (``optimizer``, RNG and scheduler state are ignored): the converted
 checkpoint starts a fresh optimizer.
@@ -45,6 +48,7 @@ import re
 
 import torch
 
+from megazero.checkpoint import megatron_moe as moe
 from megazero.checkpoint.schema import CheckpointError, iteration_dir
 from megazero.model.config import GPTConfig
 
@@ -52,7 +56,7 @@ __all__ = ["MegatronCheckpoint", "config_from_megatron_args", "find_rank_files",
            "megazero_name"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_SUFFIX = {  # Megatron layer-local suffix -> megazero layer suffix (legacy, older legacy, mcore, TE)
     "input_norm": "input_norm", "input_layernorm": "input_norm",
     "self_attention.query_key_value": "attention.qkv", "self_attention.linear_qkv": "attention.qkv",
@@ -98,7 +102,8 @@ def megazero_name(key: str) -> tuple[str, int | None] | None:
 
 
 def find_rank_files(root: str, iteration: int | None = None) -> tuple[str, int, dict]:
-    """(iteration folder, iteration (0 for release), {(tp_rank, pp_rank): file}) of a checkpoint."""
+    """(iteration folder, iteration (0 for release), {(tp_rank, pp_rank, ep_rank): file}) of a
+    checkpoint; one 3-digit suffix is told apart (PP or EP) by the saved ``args``."""
     if iteration is None:
         tracker = os.path.join(root, TRACKER)
         if not os.path.isfile(tracker):
@@ -110,19 +115,16 @@ def find_rank_files(root: str, iteration: int | None = None) -> tuple[str, int, 
     directory = os.path.join(root, "release") if iteration is None else iteration_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory} is missing")
-    ranks = {}
+    raw = {}
     for name in sorted(os.listdir(directory)):
         m = RANK_DIR.match(name)
         if m and os.path.isfile(os.path.join(directory, name, "model_optim_rng.pt")):
-            ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(directory, name, "model_optim_rng.pt")
-    if not ranks:
+            raw[tuple(None if g is None else int(g) for g in m.groups())] = \
+                os.path.join(directory, name, "model_optim_rng.pt")
+    if not raw:
         raise CheckpointError(f"{directory}: no mp_rank_*/model_optim_rng.pt (a torch_dist checkpoint? "
                               "convert it to --ckpt-format torch with Megatron-LM first)")
-    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in ranks]
-    if missing:
-        raise CheckpointError(f"{directory}: missing rank files for (tp, pp) {missing}")
-    return directory, iteration or 0, ranks
+    return directory, iteration or 0, moe.rank_files(raw, directory, lambda path: load_megatron_file(path).get("args"))
 
 
 class _Opaque:
@@ -166,7 +168,6 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConf
                                     ("apply_residual_connection_post_layernorm",
                                      a.get("apply_residual_connection_post_layernorm")),
                                     ("squared_relu", a.get("squared_relu")), ("qk_layernorm", a.get("qk_layernorm")),
-                                    ("num_experts", a.get("num_experts")),
                                     ("add_qkv_bias without add_bias_linear",
                                      a.get("add_qkv_bias") and not a.get("add_bias_linear", True)))
                    if bad]
@@ -191,7 +192,8 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConf
              "norm_epsilon": a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
              "add_bias_linear": a.get("add_bias_linear", True),
              "untie_embeddings_and_output_weights": a.get("untie_embeddings_and_output_weights", False),
-             "params_dtype": str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else dtype}
+             "params_dtype": str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else dtype,
+             **moe.moe_args(a)}
     saved["max_position_embeddings"] = saved["max_position_embeddings"] or saved["seq_length"]
     saved["init_method_std"] = saved["init_method_std"] or 0.02
     saved["seed"] = saved["seed"] if saved["seed"] is not None else 1234
@@ -218,55 +220,57 @@ class MegatronCheckpoint:
     def __init__(self, root: str, iteration: int | None = None, vocab_size: int | None = None):
         from megazero.data.tokenizers import TOKENIZER_FLAGS, TOKENIZER_TYPES
         self.directory, self.iteration, files = find_rank_files(root, iteration)
-        self.tp, self.pp = max(t for t, _ in files) + 1, max(p for _, p in files) + 1
+        self.tp, self.pp, self.ep = (max(k[i] for k in files) + 1 for i in range(3))
         states = {rank: load_megatron_file(path) for rank, path in files.items()}
-        first = states[(0, 0)]
+        first = states[min(states)]
         self.args = dict(vars(first["args"])) if "args" in first else {}
-        saved_tp = self.args.get("tensor_model_parallel_size", self.tp)
-        saved_pp = self.args.get("pipeline_model_parallel_size", self.pp)
-        if (saved_tp, saved_pp) != (self.tp, self.pp):
-            raise CheckpointError(f"{self.directory}: rank files give TP {self.tp} PP {self.pp}, args say "
-                                  f"TP {saved_tp} PP {saved_pp}")
+        saved = tuple(int(self.args.get(f"{k}_model_parallel_size") or n)
+                      for k, n in (("tensor", self.tp), ("pipeline", self.pp), ("expert", self.ep)))
+        if saved != (self.tp, self.pp, self.ep):
+            raise CheckpointError(f"{self.directory}: rank files give TP {self.tp} PP {self.pp} EP {self.ep}, "
+                                  f"args say TP {saved[0]} PP {saved[1]} EP {saved[2]}")
+        self.etp = moe.expert_tp(self.args, self.tp)
         self.config = config_from_megatron_args(self.args, vocab_size)
         chunks = sorted(k for k in first if k == "model" or re.fullmatch(r"model\d+", k))
         self.vp = len(chunks)
         if not chunks:
-            raise CheckpointError(f"{files[(0, 0)]}: no 'model' entry")
+            raise CheckpointError(f"{files[min(files)]}: no 'model' entry")
         self.tensors = self._collect(states, chunks)
         kind = self.args.get("tokenizer_type")
         self.tokenizer_flags = ({k: self.args[k] for k in TOKENIZER_FLAGS if self.args.get(k) is not None}
                                 if kind in TOKENIZER_TYPES else {})
 
     def _collect(self, states: dict, chunks: list[str]) -> dict:
-        """{megazero name: {tp_rank: tensor}} with global layer numbers."""
+        """{megazero name: {tp_rank (a routed expert's: expert-TP rank): tensor}}, global layers."""
         per_chunk = self.config.num_layers // (self.pp * self.vp)
         if per_chunk * self.pp * self.vp != self.config.num_layers:
             raise CheckpointError(f"{self.config.num_layers} layers do not split evenly over PP {self.pp} x VP {self.vp}")
         out: dict[str, dict[int, torch.Tensor]] = {}
-        for (t, p), state in states.items():
+        for (t, p, e), state in states.items():
             for c, chunk in enumerate(chunks):
                 offset = (c * self.pp + p) * per_chunk
                 for key, tensor in _flatten(state[chunk]):
-                    found = megazero_name(key)
+                    found = moe.moe_tensors(key, tensor, self.config, self.ep, e)
                     if found is None:
-                        continue
-                    name, local = found
-                    if name == "output_layer.weight" and self.config.tied_embeddings:
-                        continue  # the last stage's copy of the tied embedding
-                    if local is not None:
-                        if local >= per_chunk:
-                            raise CheckpointError(f"{key}: local layer {local} beyond {per_chunk} per chunk")
-                        name = name.replace(f"layers.{local}.", f"layers.{offset + local}.", 1)
-                    out.setdefault(name, {})[t] = tensor
+                        hit = megazero_name(key)
+                        found = [] if hit is None else [(*hit, tensor)]
+                    for name, local, tensor in found:
+                        if name == "output_layer.weight" and self.config.tied_embeddings:
+                            continue  # the last stage's copy of the tied embedding
+                        if local is not None:
+                            if local >= per_chunk:
+                                raise CheckpointError(f"{key}: local layer {local} beyond {per_chunk} per chunk")
+                            name = name.replace(f"layers.{local}.", f"layers.{offset + local}.", 1)
+                        out.setdefault(name, {})[t % self.etp if moe.is_expert_name(name) else t] = tensor
         return out
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        shards = self.tensors.get(name)
-        if shards is None or len(shards) != self.tp:
+        shards, size = self.tensors.get(name), self.etp if moe.is_expert_name(name) else self.tp
+        if shards is None or len(shards) != size:
             raise CheckpointError(f"{self.directory}: no complete {name} in the checkpoint")
-        pieces = [shards[t] for t in range(self.tp)]
+        pieces = [shards[t] for t in range(size)]
         c = self.config
-        suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        suffix = moe.mlp_suffix(name.split(".", 2)[-1]) if name.startswith("layers.") else name
         if suffix in ("attention.dense.weight", "mlp.fc2.weight"):
             return torch.cat(pieces, 1)
         if suffix.startswith("attention.qkv."):

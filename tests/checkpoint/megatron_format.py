@@ -20,11 +20,21 @@ get_checkpoint_name). Model keys, per family:
 
 Layers are numbered within each chunk; QKV rows per query group ``[q heads, k, v]``; SwiGLU fc1
 per TP rank ``[gate_t; up_t]``; the vocabulary padded to ``padded_vocab_size`` with random rows.
+
+MoE (mcore families, core 0.20.0's megatron/core/transformer/moe/): ``mlp.router.weight`` and
+``expert_bias``, ``mlp.shared_experts.linear_fc1/linear_fc2.weight`` and ``gate_weight``, and the
+routed experts of the file's EP rank (local numbers) split over expert TP, as ``experts`` says:
+``sequential`` (``local_experts.k.linear_fc1.weight``), ``grouped`` (TEGroupedMLP's
+``linear_fc1.weight{k}``) or ``legacy`` (GroupedMLP's ``weight1`` ``[h, E_local F]`` holding the
+``[E_local, h, F]`` transposed pieces, ``weight2`` ``[E_local f, h]``); a TE MoE layer keeps its
+own ``pre_mlp_layernorm``. Files are those Megatron's legacy save writes: one per (TP, PP, EP)
+rank triple of a rank with DP rank 0 or expert-DP rank 0, ``mp_rank_TT[_PPP][_EEE]``.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import torch
 
@@ -38,6 +48,8 @@ MCORE = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linea
 
 def megatron_args(config, tp: int, pp: int, vp: int | None, padded: int, **extra) -> argparse.Namespace:
     c = config
+    if c.moe is not None:
+        extra = {**c.moe.to_args(), "moe_layer_freq": list(c.moe.layer_pattern), **extra}
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
@@ -54,9 +66,10 @@ def megatron_args(config, tp: int, pp: int, vp: int | None, padded: int, **extra
 
 
 def _shard(name: str, full: torch.Tensor, config, tp: int, padded: int) -> list[torch.Tensor]:
-    """This megazero full tensor as Megatron's ``tp`` shards."""
+    """This megazero full tensor as Megatron's ``tp`` shards (a routed expert's: expert TP)."""
     c = config
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    suffix = re.sub(r"^mlp\.(experts\.\d+|shared_expert)\.", "mlp.", suffix)
     if suffix in ("embedding.word_embeddings.weight", "output_layer.weight"):
         pad = torch.randn(padded - full.shape[0], *full.shape[1:], generator=torch.Generator().manual_seed(1))
         return list(torch.cat([full, pad]).chunk(tp, 0))
@@ -77,12 +90,21 @@ def _shard(name: str, full: torch.Tensor, config, tp: int, padded: int) -> list[
     return [full.clone() for _ in range(tp)]
 
 
-def _key(name: str, local: int | None, family: str) -> str:
+MOE_KEYS = {"mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.expert_bias",
+            "mlp.shared_expert.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+            "mlp.shared_expert.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+            "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight"}
+
+
+def _key(name: str, local: int | None, family: str, moe_layer: bool = False) -> str:
     """The flat Megatron key of a megazero name (layer ``local`` within its chunk)."""
     if name.startswith("layers."):
         _, _, rest = name.split(".", 2)
+        if rest in MOE_KEYS:
+            return f"decoder.layers.{local}.{MOE_KEYS[rest]}"
         module, kind = rest.rsplit(".", 1)
-        if family == "te" and module in ("input_norm", "post_attention_norm"):
+        if family == "te" and module in ("input_norm", "post_attention_norm") and not (
+                moe_layer and module == "post_attention_norm"):
             fused = "self_attention.linear_qkv" if module == "input_norm" else "mlp.linear_fc1"
             return f"decoder.layers.{local}.{fused}.layer_norm_{kind}"
         if family == "legacy":
@@ -111,14 +133,41 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def _chunk_state(full: dict, config, t, stage, per_chunk, first, last, family, tp, padded) -> dict:
+def _experts(full: dict, config, layer: int, local: int, e: int, ep: int, et: int, etp: int, layout: str) -> dict:
+    """The flat keys of layer ``layer``'s routed experts held by EP rank ``e``, expert-TP piece ``et``."""
+    per, prefix = config.moe.num_experts // ep, f"decoder.layers.{local}.mlp.experts."
+    pieces = {fc: [_shard(f"layers.{layer}.mlp.experts.{e * per + k}.{fc}.weight",
+                          full[f"layers.{layer}.mlp.experts.{e * per + k}.{fc}.weight"], config, etp, 0)[et]
+                   for k in range(per)] for fc in ("fc1", "fc2")}
+    if layout == "legacy":  # GroupedMLP: the [E_local, h, F] memory of weight1 [h, E_local F]
+        h = config.hidden_size
+        return {prefix + "weight1": torch.stack([w.t() for w in pieces["fc1"]]).reshape(h, -1),
+                prefix + "weight2": torch.stack([w.t() for w in pieces["fc2"]]).reshape(-1, h)}
+    out = {}
+    for fc, ws in pieces.items():
+        for k, w in enumerate(ws):
+            key = f"local_experts.{k}.linear_{fc}.weight" if layout == "sequential" else f"linear_{fc}.weight{k}"
+            out[prefix + key] = w.clone()
+        if layout == "grouped":
+            out[prefix + f"linear_{fc}._extra_state"] = torch.zeros(0, dtype=torch.uint8)
+    return out
+
+
+def _chunk_state(full: dict, config, t, stage, per_chunk, first, last, family, tp, padded, moe=None) -> dict:
+    """One model chunk's flat keys; ``moe``: (EP rank, EP, expert-TP rank, expert TP, experts layout)."""
     flat = {}
     for name, tensor in full.items():
         if name.startswith("layers."):
             layer = int(name.split(".")[1])
             if not stage * per_chunk <= layer < (stage + 1) * per_chunk:
                 continue
-            flat[_key(name, layer - stage * per_chunk, family)] = _shard(name, tensor, config, tp, padded)[t]
+            moe_layer = config.moe is not None and config.moe.is_moe(layer)
+            if ".mlp.experts." in name:
+                if name.endswith(".experts.0.fc1.weight"):  # once per layer
+                    flat.update(_experts(full, config, layer, layer - stage * per_chunk, *moe))
+                continue
+            flat[_key(name, layer - stage * per_chunk, family, moe_layer)] = \
+                _shard(name, tensor, config, tp, padded)[t]
             if family == "te" and name.endswith("attention.dense.weight"):
                 flat[f"decoder.layers.{layer - stage * per_chunk}.self_attention.linear_proj._extra_state"] = \
                     torch.zeros(0, dtype=torch.uint8)
@@ -131,16 +180,31 @@ def _chunk_state(full: dict, config, t, stage, per_chunk, first, last, family, t
     return _nest(flat) if family == "legacy" else flat
 
 
+def _file_ranks(tp: int, ep: int, etp: int) -> list[tuple[int, int, int]]:
+    """(TP rank, EP rank, expert-TP rank) of each file Megatron's legacy save writes per stage:
+    ranks with DP rank 0 or expert-DP rank 0 of the smallest DP that fits EP x ETP."""
+    dp = next(d for d in range(1, ep * etp + 1) if (tp * d) % (ep * etp) == 0)
+    out = set()
+    for s in range(tp * dp):
+        if s // tp == 0 or s // (etp * ep) == 0:
+            out.add((s % tp, (s // etp) % ep, s % etp))
+    return sorted(out)
+
+
 def write_megatron_checkpoint(root: str, full: dict, config, tp: int, pp: int, vp: int | None = None,
-                              family: str = "legacy", iteration: int | None = 20, **extra_args) -> str:
-    """Write ``full`` (megazero names, unpadded) as Megatron-LM does at TP x PP (x VP); returns root.
-    ``iteration`` None writes a ``release`` checkpoint."""
-    chunks = vp or 1
+                              family: str = "legacy", iteration: int | None = 20, ep: int = 1,
+                              etp: int | None = None, experts: str = "sequential", **extra_args) -> str:
+    """Write ``full`` (megazero names, unpadded) as Megatron-LM does at TP x PP (x VP) (x EP, with
+    expert TP ``etp``, default TP); returns root. ``iteration`` None writes a ``release`` checkpoint."""
+    chunks, etp = vp or 1, etp or tp
     per_chunk = config.num_layers // (pp * chunks)
     padded = config.padded_vocab(tp)
+    if config.moe is not None:
+        extra_args.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                          moe_grouped_gemm=experts != "sequential", moe_use_legacy_grouped_gemm=experts == "legacy")
     args = megatron_args(config, tp, pp, vp, padded, **extra_args)
     folder = os.path.join(root, "release" if iteration is None else f"iter_{iteration:07d}")
-    for t in range(tp):
+    for t, e, et in _file_ranks(tp, ep, etp):
         for p in range(pp):
             state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0,
                      "optimizer": {"optimizer": {"state": {}, "param_groups": []}, "fp32_from_fp16_params": []},
@@ -150,8 +214,9 @@ def write_megatron_checkpoint(root: str, full: dict, config, tp: int, pp: int, v
                 stage = c * pp + p
                 key = "model" if chunks == 1 else f"model{c}"
                 state[key] = _chunk_state(full, config, t, stage, per_chunk, stage == 0, stage == pp * chunks - 1,
-                                          family, tp, padded)
-            rank_dir = os.path.join(folder, f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")
+                                          family, tp, padded, (e, ep, et, etp, experts))
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+            rank_dir = os.path.join(folder, name)
             os.makedirs(rank_dir, exist_ok=True)
             torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
