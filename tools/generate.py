@@ -162,6 +162,7 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
 
     ``reader.args`` are the saving run's arguments, ``reader.layout`` its parallel layout."""
     from megazero.checkpoint.reader import CheckpointReader
+    from megazero.checkpoint.reshard import load_buffers
     reader = CheckpointReader(load_dir, iteration)
     dtype = None if params_dtype == "saved" else DTYPES[params_dtype]
     overrides = dict(sequence_parallel=False, recompute_granularity=None, attention_dropout=0.0, hidden_dropout=0.0)
@@ -172,6 +173,7 @@ def load_model(load_dir: str, topo, device, iteration=None, params_dtype: str = 
     wanted, loaded = {name for name, _ in model.named_parameters()}, set()
     for name, full in reader.iter_full_params(dtype=config.params_dtype):  # one full tensor at a time
         loaded |= wanted - set(model.load_full_state_dict({name: full}, strict=False))
+    load_buffers(reader, [model])  # an MoE router's expert bias (the routing depends on it)
     reader.close()
     if wanted - loaded:
         raise KeyError(f"{load_dir}: the checkpoint lacks {sorted(wanted - loaded)}")

@@ -31,6 +31,7 @@ last version, ``2caa681a1d^``):
 """
 from __future__ import annotations
 
+import argparse
 import re
 
 import torch
@@ -74,8 +75,8 @@ def rank_files(raw: dict, directory: str, read_args) -> dict:
     for (tp, a, b), path in raw.items():
         if a is not None and b is None:
             if pp_run is None:
-                args = read_args(path)
-                pp_run = int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+                saved = vars(read_args(path) or argparse.Namespace())
+                pp_run = int(saved.get("pipeline_model_parallel_size") or 1) > 1
             a, b = (a, 0) if pp_run else (0, a)
         ranks[(tp, a or 0, b or 0)] = path
     tp, pp, ep = (max(k[i] for k in ranks) + 1 for i in range(3))
@@ -86,10 +87,10 @@ def rank_files(raw: dict, directory: str, read_args) -> dict:
     return ranks
 
 
-def expert_tp(args: dict, tp: int) -> int:
+def expert_tp(saved: dict, tp: int) -> int:
     """The saved run's expert-TP size (Megatron's default: TP); refused unless it divides TP
     (each file's expert piece is then that of expert-TP rank ``tp_rank mod ETP``)."""
-    etp = int(args.get("expert_tensor_parallel_size") or tp)
+    etp = int(saved.get("expert_tensor_parallel_size") or tp)
     if tp % etp:
         raise CheckpointError(f"expert_tensor_parallel_size {etp} does not divide TP {tp}: the files do not say "
                               "which expert piece each holds")

@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 
 from megazero.checkpoint import files, schema
+from megazero.checkpoint.resplit import ResplitReads
 from megazero.checkpoint.schema import CheckpointError
 
 KINDS = ("weight", "master", "exp_avg", "exp_avg_sq")
 
 
-class CheckpointReader:
+class CheckpointReader(ResplitReads):
     """``CheckpointReader(load_dir, iteration=None)``: the latest iteration unless given.
 
     Attributes: ``metadata`` (metadata.json), ``args`` (the saving run's arguments, a dict),
@@ -83,12 +84,13 @@ class CheckpointReader:
                 place = (run, e.get("ep_rank", 0), pos) if p.expert else (pos, 0, pos)
                 self._order.append((p.chunk * pp + e["pp_rank"], *place, p.name))
         for b in schema.entry_buffers(e):
-            self._size[b.name], _ = self.tp, self._buffers.add(b.name)
+            self._size[b.name] = self.tp
+            self._buffers.add(b.name)
             if b.stored is not None:
                 self._where.setdefault(b.name, []).append((e["tp_rank"], e["dp_rank"], e["rank"], b))
         experts = {p.name for p in params if p.expert}
         for ri, reg in enumerate(e["regions"]):
-            t, d = schema.grid_ranks(e, bool(reg["params"]) and reg["params"][0][0] in experts)
+            t, d = _region_grid(e, reg, experts)
             saved_opt = self.version < 3 or zero >= 1 or d == 0  # v3+, ZeRO 0: DP rank 0 writes the replicas
             if saved_opt and self.has_optimizer:
                 self._writers.setdefault((t, _region_key(reg)), (e["rank"], ri))
@@ -116,7 +118,7 @@ class CheckpointReader:
         e, out = self.ranks[rank], []
         experts = {p.name for p in schema.entry_params(e) if p.expert}
         for reg in e["regions"]:
-            t, _ = schema.grid_ranks(e, bool(reg["params"]) and reg["params"][0][0] in experts)
+            t, _ = _region_grid(e, reg, experts)
             src = self._writers.get((t, _region_key(reg)))
             if src is None:
                 raise CheckpointError(f"{self.directory}: no file holds the fp32 state of rank {rank}'s region "
@@ -222,62 +224,6 @@ class CheckpointReader:
             return self._resplit_range(name, kind, entry, tp_rank, tp, tuple(shape), a, b)
         return to_local(self.full_param(name, kind)).reshape(-1)[a:b]
 
-    def _owners(self, split, entry, tp_rank: int, tp: int, local_len: int):
-        """Along the split dim: for each position of the loading rank's slice, the saved TP rank
-        and position holding it, ``(-1, -1)`` for padding rows. Positions are followed through
-        the split rule itself (:meth:`TPSplit.to_local` of ``1 + arange(full length)``), so
-        partition blocks and padded vocabularies map as the model maps them."""
-        saved = self._size[entry.name]
-        d, full_len = split.dim, split.real_rows or entry.shape[split.dim] * saved
-        ids = (torch.arange(full_len) + 1).reshape((-1, 1) if d == 0 else (1, -1))
-
-        def positions(rank, size, rows):
-            return split.to_local(ids, rank, size, local_rows=rows if d == 0 else None).reshape(-1) - 1
-        owner_rank, owner_pos = torch.full((full_len,), -1), torch.full((full_len,), -1)
-        for t in range(saved):
-            old = positions(t, saved, entry.shape[0])
-            real = old >= 0
-            owner_rank[old[real]], owner_pos[old[real]] = t, torch.arange(len(old))[real]
-        new = positions(tp_rank, tp, local_len)
-        real = new >= 0
-        ranks, pos = torch.full_like(new, -1), torch.full_like(new, -1)
-        ranks[real], pos[real] = owner_rank[new[real]], owner_pos[new[real]]
-        return ranks.tolist(), pos.tolist()
-
-    def _resplit_range(self, name: str, kind: str, entry, tp_rank: int, tp: int, shape: tuple, a: int,
-                       b: int) -> torch.Tensor:
-        """Elements ``[a, b)`` of the flattened slice (``shape``) of TP rank ``tp_rank`` of ``tp``
-        of a parameter saved with another TP size, reading only the saved rows it needs: split
-        along dim 0, the saved pieces' runs of consecutive rows that hold rows ``[a // c, ceil(b /
-        c))`` (c = elements per row); along dim 1 of a matrix, those rows of each saved piece
-        holding some of this slice's columns. Per rank the bytes read are about its share."""
-        split, numel = entry.split, entry.numel()
-        ranks, pos = self._owners(split, entry, tp_rank, tp, shape[split.dim])
-        cols = numel // entry.shape[0]  # saved elements per row
-        width = 1
-        for s in shape[1:]:
-            width *= s
-        r0, r1 = a // width, -(-b // width)
-        dtype = getattr(torch, self.layout.get("params_dtype") or "float32") if kind == "weight" else torch.float32
-        if split.dim == 0:
-            out, i = [], r0
-            while i < r1:  # one read per run of consecutive saved rows of one saved rank
-                j = i + 1
-                while j < r1 and ranks[j] == ranks[i] and (ranks[i] < 0 or pos[j] == pos[j - 1] + 1):
-                    j += 1
-                out.append(torch.zeros((j - i) * width, dtype=dtype) if ranks[i] < 0 else
-                           self._flat_range(name, kind, ranks[i], numel, pos[i] * cols, (pos[i] + j - i) * cols))
-                i = j
-            flat = torch.cat(out) if out else torch.zeros(0, dtype=dtype)
-        else:
-            block = torch.zeros((r1 - r0, shape[1]), dtype=dtype)
-            for t in sorted(set(ranks) - {-1}):
-                mine = [j for j, r in enumerate(ranks) if r == t]
-                rows = self._flat_range(name, kind, t, numel, r0 * cols, r1 * cols).view(r1 - r0, cols)
-                block[:, mine] = rows[:, [pos[j] for j in mine]].to(dtype)
-            flat = block.reshape(-1)
-        return flat[a - r0 * width:b - r0 * width]
-
     def full_param(self, name: str, kind: str = "weight") -> torch.Tensor:
         """The full, unpadded tensor of ``name``: ``weight`` in the saved dtype, ``master``,
         ``exp_avg`` or ``exp_avg_sq`` in fp32 (vocabulary matrices: ``real_rows`` rows)."""
@@ -314,6 +260,12 @@ class CheckpointReader:
         """Optimizer step count, loss-scaler state and skip counters (equal on every rank)."""
         opt = self.rank_state(0).get(schema.OPTIMIZER)
         return None if opt is None else {k: v for k, v in opt.items() if k != schema.SHARDS}
+
+
+def _region_grid(entry: dict, region: dict, experts: set) -> tuple[int, int]:
+    """``(tp_rank, dp_rank)`` of ``entry``'s rank on the grid of ``region`` (its parameters are
+    all routed experts', sharded over expert DP, or none are)."""
+    return schema.grid_ranks(entry, bool(region["params"]) and region["params"][0][0] in experts)
 
 
 def _region_key(region: dict) -> tuple:

@@ -5,6 +5,9 @@ TE-grouped and legacy grouped layouts split over expert TP, shared experts with 
 Every full tensor and the logits equal the model built from the same weights, and the
 converted checkpoint loads into an expert-parallel layout with the same full model."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,6 +77,16 @@ def test_moe_from_megatron_logits(tmp_path, family, tp, pp, ep, etp, experts, fo
     flags = conv.pretrain_flags(ours.config)
     assert "--num-experts 4" in flags and "--moe-layer-freq '[1,0,1,1]'" in flags
     assert "--moe-router-score-function sigmoid" in flags and "--moe-router-enable-expert-bias" in flags
+    generate = _tool("generate")  # tools/generate.py reads the weights and the expert bias
+    gen, _ = generate.load_model(str(tmp_path / "mz"), None, torch.device("cpu"))
+    torch.testing.assert_close(logits_of(gen, ids), logits_of(model, ids), rtol=0, atol=0)
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _load_imported(rank, world, sizes, src):
