@@ -105,7 +105,7 @@ def _optimizer_state(topo, optimizer) -> dict:
     another file's)."""
     state = optimizer.state_dict(shards=True, copy=False)
     if optimizer.stage == 0:
-        mine = [(topo.edp_rank if r.group == "edp" else topo.dp_rank) == 0 for r in optimizer.regions]
+        mine = [(topo.edp_rank if r.group == "edp" else topo.dp_cp_rank) == 0 for r in optimizer.regions]
         state["shards"] = [s if m else None for s, m in zip(state["shards"], mine)] if any(mine) else []
     return state
 

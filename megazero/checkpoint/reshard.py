@@ -73,7 +73,7 @@ def persistent_buffers(chunks):
 def rank_index(topo, chunks, optimizer) -> dict:
     """This rank's entry of the index (:func:`schema.index_entry`), with where its file stores
     each weight: ``"shard"`` for a parameter of a partitioned (ZeRO-3) region, ``"model"`` on DP
-    rank 0 of the parameter's grid (expert-DP rank 0 for a routed expert's) for the others,
+    rank 0 of the parameter's grid (DP x CP; expert-DP rank 0 for a routed expert's) for the others,
     ``None`` (that rank's file has it) elsewhere; buffers ``"model"`` on DP rank 0."""
     name_of = {id(p): name for _, name, _, _, p, _ in named_parameters(chunks)}
     regions = optimizer.layout(name_of)
@@ -81,14 +81,15 @@ def rank_index(topo, chunks, optimizer) -> dict:
     params = []
     for c, name, module, _, p, split in named_parameters(chunks):
         expert = is_expert(module)
-        first = (topo.edp_rank if expert else topo.dp_rank) == 0
+        first = (topo.edp_rank if expert else topo.dp_cp_rank) == 0
         stored = schema.STORED_SHARD if name in sharded else (schema.STORED_MODEL if first else None)
         params.append(schema.ParamEntry(c, name, tuple(p.shape), split, stored, expert))
-    buffers = [schema.ParamEntry(c, name, tuple(b.shape), None, schema.STORED_MODEL if topo.dp_rank == 0 else None)
+    buffers = [schema.ParamEntry(c, name, tuple(b.shape), None, schema.STORED_MODEL if topo.dp_cp_rank == 0 else None)
                for c, name, b in persistent_buffers(chunks)]
     coords = (topo.ep_rank, topo.etp_rank, topo.edp_rank) if any(p.expert for p in params) else None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_rank, params, regions, coords, buffers)
+    # the dense grid's replica index is over DP x CP (ZeRO's group; = DP rank without CP)
+    return schema.index_entry(rank, topo.tp_rank, topo.pp_rank, topo.dp_cp_rank, params, regions, coords, buffers)
 
 
 def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:

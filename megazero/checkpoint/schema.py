@@ -87,7 +87,7 @@ COUNTER_KEYS = ("skipped", "nans")
 ITERATION, CONSUMED_SAMPLES, LAYOUT, ARGS, INDEX = "iteration", "consumed_samples", "layout", "args", "index"
 LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage", "params_dtype",
-               "expert_model_parallel_size", "expert_tensor_parallel_size")
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size")
 FORMAT1_ALIASES = {"output_layer.weight": "embedding.word_embeddings.weight"}
 
 
@@ -150,20 +150,20 @@ def _dtype_name(value) -> str:
 
 
 def layout(world_size: int, tp: int, pp: int, vp: int | None, dp: int, zero_stage: int, params_dtype,
-           ep: int = 1, etp: int | None = None) -> dict:
+           ep: int = 1, etp: int | None = None, cp: int = 1) -> dict:
     """The parallel layout record (``vp`` None when not interleaved; dtype by name; ``etp``
-    None: TP)."""
+    None: TP). CP shards no parameter, but ZeRO partitions over DP x CP, so a CP change reshards."""
     return {"world_size": world_size, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "virtual_pipeline_model_parallel_size": vp, "data_parallel_size": dp, "zero_stage": zero_stage,
             "params_dtype": _dtype_name(params_dtype), "expert_model_parallel_size": int(ep),
-            "expert_tensor_parallel_size": int(tp if etp is None else etp)}
+            "expert_tensor_parallel_size": int(tp if etp is None else etp), "context_parallel_size": int(cp)}
 
 
 def layout_value(record: dict, key: str):
-    """``record[key]``; for a record saved before the key existed, its value then: EP 1, ETP = TP."""
+    """``record[key]``; for a record saved before the key existed, its value then: EP 1, CP 1, ETP = TP."""
     if key in record:
         return record[key]
-    if key == "expert_model_parallel_size":
+    if key in ("expert_model_parallel_size", "context_parallel_size"):
         return 1
     if key == "expert_tensor_parallel_size":
         return record.get("tensor_model_parallel_size")

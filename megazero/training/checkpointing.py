@@ -47,7 +47,7 @@ class TrainerCheckpoints:
         """This run's parallel layout as a checkpoint records it (:func:`schema.layout`)."""
         par, opt = self.config.parallel, self.config.optimizer
         return schema.layout(par.world_size, par.tp, par.pp, par.vp, par.dp, opt.stage, opt.params_dtype,
-                             ep=self.topo.ep, etp=self.topo.etp)
+                             ep=self.topo.ep, etp=self.topo.etp, cp=self.topo.cp)
 
     def _rank_state_args(self) -> dict:
         """The keywords that say what this rank's checkpoint file holds."""
