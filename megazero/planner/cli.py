@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
 from dataclasses import asdict
 
 from megazero.config.model import gpt_config
 
-from . import GiB, Layout, plan, total_params
+from . import GiB, Layout, active_params, plan, total_params
+
+EXPERT_SIZES = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def build_parser():
@@ -21,30 +25,81 @@ def build_parser():
     g.add_argument("--max-tensor-parallel-size", type=int, default=8, help="largest TP tried [8: one node]")
     g.add_argument("--fits-only", action="store_true", help="list only the layouts that fit")
     g.add_argument("--json", action="store_true", help="one JSON object per layout instead of the table")
-    p.set_defaults(tensor_model_parallel_size=None, pipeline_model_parallel_size=None, zero_stage=None)
+    p.set_defaults(tensor_model_parallel_size=None, pipeline_model_parallel_size=None, zero_stage=None,
+                   expert_model_parallel_size=None, expert_tensor_parallel_size=None)
     return p
+
+
+def _literal(value):
+    if isinstance(value, list):
+        return [_literal(v) for v in value]
+    try:
+        return ast.literal_eval(value) if isinstance(value, str) else value
+    except (ValueError, SyntaxError):
+        return value
+
+
+def with_moe_flags(args) -> argparse.Namespace:
+    """``args`` with the MoE flags (``--num-experts``, ``--moe-*``, EP and ETP) under their plain
+    names, typed: the parser may hold them as Megatron flags it does not train with
+    (``megatron:<dest>`` strings, :mod:`megazero.config.megatron_flags`) -- the planner plans them."""
+    values = dict(vars(args))
+    for dest, value in vars(args).items():
+        name = dest.partition("megatron:")[2]
+        if name and (name == "num_experts" or name.startswith("moe_") or name in EXPERT_SIZES) \
+                and values.get(name) is None:
+            values[name] = _literal(value)
+    return argparse.Namespace(**values)
 
 
 def _fmt(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
-def format_table(layouts: list[Layout], gpu_memory_gb: float) -> str:
-    head = (f"{'TP':>3} {'PP':>3} {'VP':>3} {'DP':>4} {'ZeRO':>4} {'M':>4} {'stage':>5} {'params/rank':>13} "
-            f"{'states':>8} {'activ.':>8} {'total':>8} {'comm/step':>9} {'(dp':>8} {'tp':>8} {'pp)':>8}  fits "
-            f"{gpu_memory_gb:g} GiB")
+def format_table(layouts: list[Layout], gpu_memory_gb: float, moe: bool = False) -> str:
+    """The table; ``moe`` adds the expert grid (EP, ETP, EDP), the experts' share of ``params/rank``
+    and the EDP and EP (dispatcher) parts of the communication."""
+    grid = f" {'EP':>3} {'ETP':>3} {'EDP':>4}" if moe else ""
+    head = (f"{'TP':>3} {'PP':>3} {'VP':>3} {'DP':>4} {'ZeRO':>4}{grid} {'M':>4} {'stage':>5} {'params/rank':>13} "
+            + (f"{'experts':>13} " if moe else "")
+            + f"{'states':>8} {'activ.':>8} {'total':>8} {'comm/step':>9} {'(dp':>8} {'tp':>8} "
+            + (f"{'pp':>8} {'edp':>8} {'ep)':>8}" if moe else f"{'pp)':>8}") + f"  fits {gpu_memory_gb:g} GiB")
     rows = [head, "-" * len(head)]
     for x in layouts:
-        rows.append(f"{x.tp:>3} {x.pp:>3} {x.vp:>3} {x.dp:>4} {x.zero:>4} {x.micro_batches:>4} {x.stage:>5} "
-                    f"{x.params:>13,} {_fmt(x.model_state_bytes)} {_fmt(x.activation_bytes)} {_fmt(x.total_bytes)} "
-                    f"{_fmt(x.comm_bytes):>9} {_fmt(x.comm_dp_bytes)} {_fmt(x.comm_tp_bytes)} "
-                    f"{_fmt(x.comm_pp_bytes)}  {'yes' if x.fits else '-'}")
+        grid = f" {x.ep:>3} {x.etp:>3} {x.edp:>4}" if moe else ""
+        rows.append(f"{x.tp:>3} {x.pp:>3} {x.vp:>3} {x.dp:>4} {x.zero:>4}{grid} {x.micro_batches:>4} {x.stage:>5} "
+                    f"{x.params:>13,} " + (f"{x.expert_params:>13,} " if moe else "")
+                    + f"{_fmt(x.model_state_bytes)} {_fmt(x.activation_bytes)} {_fmt(x.total_bytes)} "
+                    f"{_fmt(x.comm_bytes):>9} {_fmt(x.comm_dp_bytes)} {_fmt(x.comm_tp_bytes)} {_fmt(x.comm_pp_bytes)}"
+                    + (f" {_fmt(x.comm_edp_bytes)} {_fmt(x.comm_ep_bytes)}" if moe else "")
+                    + f"  {'yes' if x.fits else '-'}")
     return "\n".join(rows)
+
+
+def moe_line(shape) -> str:
+    """What the planner read of an MoE model: experts, top-k, MoE layers, expert and active parameters."""
+    moe = shape.moe
+    return (f"MoE: {moe.num_experts} experts (FFN {moe.ffn_hidden_size}), top-{moe.router_topk}, "
+            f"{moe.num_moe_layers} of {shape.num_layers} layers"
+            + (f", shared expert {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size else "")
+            + f"; {active_params(shape):,} parameters active per token; {moe.token_dispatcher} dispatcher"
+            + (f", capacity factor {moe.capacity_factor:g}" if moe.capacity_factor is not None else ", dropless"))
+
+
+def _layouts(args, shape, param_bytes: int, grad_bytes: int) -> list[Layout]:
+    return plan(shape, args.world_size, micro_batch_size=args.micro_batch_size,
+                global_batch_size=args.global_batch_size, tp=args.tensor_model_parallel_size,
+                pp=args.pipeline_model_parallel_size, zero=args.zero_stage, max_tp=args.max_tensor_parallel_size,
+                layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage, param_bytes=param_bytes,
+                grad_bytes=grad_bytes, sequence_parallel=args.sequence_parallel,
+                recompute=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, gpu_memory_gb=args.gpu_memory_gb,
+                ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = with_moe_flags(parser.parse_args(argv))
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                            "vocab_size") if getattr(args, f) is None]
     if missing:
@@ -57,14 +112,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     param_bytes = 2 if (args.fp16 or args.bf16) else 4
     grad_bytes = 4 if (args.bf16 or param_bytes == 4 or args.accumulate_allreduce_grads_in_fp32) else 2
-    layouts = plan(shape, args.world_size, micro_batch_size=args.micro_batch_size,
-                   global_batch_size=args.global_batch_size, tp=args.tensor_model_parallel_size,
-                   pp=args.pipeline_model_parallel_size, zero=args.zero_stage,
-                   max_tp=args.max_tensor_parallel_size,
-                   layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage, param_bytes=param_bytes,
-                   grad_bytes=grad_bytes, sequence_parallel=args.sequence_parallel,
-                   recompute=args.recompute_granularity, recompute_method=args.recompute_method,
-                   recompute_num_layers=args.recompute_num_layers, gpu_memory_gb=args.gpu_memory_gb)
+    layouts = _layouts(args, shape, param_bytes, grad_bytes)
     if args.fits_only:
         layouts = [x for x in layouts if x.fits]
     if args.json:
@@ -77,11 +125,12 @@ def main(argv=None) -> int:
           f"{grad_bytes} B, optimizer 12 B per parameter); seq {shape.seq_length}, micro-batch "
           f"{args.micro_batch_size}; recompute {args.recompute_granularity or 'none'}"
           f"{', sequence parallel' if args.sequence_parallel else ''}")
+    if shape.moe is not None:
+        print(moe_line(shape))
     if not layouts:
         print("no valid layout")
         return 1
-    print(format_table(layouts, args.gpu_memory_gb))
+    print(format_table(layouts, args.gpu_memory_gb, moe=shape.moe is not None))
     print(f"{sum(x.fits for x in layouts)} of {len(layouts)} layouts fit {args.gpu_memory_gb:g} GiB; memory and "
           "communication in GiB per GPU (the most loaded pipeline stage); see docs/plan.md")
     return 0
-
