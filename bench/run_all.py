@@ -9,6 +9,8 @@ Benches (each a separate process, ``PYTHONPATH`` = the repository root, run from
 * ``tensor_parallel`` -- megazero TP+SP vs DTensor TP+SP, TP = 2 and 4
 * ``pipeline``        -- megazero 1F1B / interleaved vs ``torch.distributed.pipelining``
 * ``zero``            -- ZeRO 0-2 vs DDP, ZeRO-3 vs FSDP2, ZeRO-3 vs ZeRO-2, Φ multiples, state bytes
+* ``moe``             -- MoE dispatchers (alltoall vs allgather, EP 2 and 4: time, rows sent vs the
+  planner's formula) and the MoE layer vs a plain per-expert PyTorch loop
 * ``preprocess``      -- tokenizing the bundled corpus, sample/blending index build
 * ``generate``        -- megazero generation vs ``transformers`` (only if ``bench/generate.py`` exists)
 * ``gpu_mfu``         -- ``bench/gpu_mfu.py --tiny`` on CPU (a smoke run; its real figure needs a GPU)
@@ -38,6 +40,7 @@ def benches(quick: bool) -> list[tuple[str, list[str]]]:
            ("pipeline", ["bench/pipeline.py", "--steps", s(6, 3), "--warmup", s(2, 1)]),
            ("zero", ["bench/zero.py", "--steps", s(8, 4)]),
            ("zero", ["bench/zero.py", "--stage", "2", "3", "--tokens", "512", "--steps", s(8, 4)]),
+           ("moe", ["bench/moe.py", "--reps", s(6, 3)]),
            ("preprocess", ["bench/preprocess.py"] + (["--scale", "2"] if quick else []))]
     if os.path.exists(os.path.join(ROOT, "bench", "generate.py")):
         out.append(("generate", ["bench/generate.py"]))
@@ -154,6 +157,21 @@ def table_zero(lines):
     return out
 
 
+def table_moe(lines):
+    js = _json_lines(lines)
+    out = _table(["EP", "dispatcher", "ms (median)", "rows sent / rank", "formula", "bound", "sent/formula",
+                  "MB / layer fwd+bwd", "max abs diff vs other"],
+                 [[j["ep"], j["dispatcher"], j["median_ms"], j["sent_rows"], j["formula_rows"], j["bound_rows"],
+                   f"{j['sent_rows'] / j['formula_rows']:.3f}", j["mb_per_layer_fwd_bwd"],
+                   f"{j['max_diff_vs_other']:.1e}"]
+                  for j in js if j.get("kind") == "dispatch"])
+    out += [""] + _table(["tokens", "MoELayer ms", "per-expert loop ms", "MoELayer/loop", "max abs diff out",
+                          "max abs diff grad"],
+                         [[j["tokens"], j["megazero_ms"], j["loop_ms"], j["ratio"], f"{j['max_diff_out']:.1e}",
+                           f"{j['max_diff_grad']:.1e}"] for j in js if j.get("kind") == "layer"])
+    return out
+
+
 def table_preprocess(lines):
     js = [j for j in _json_lines(lines) if "rows" in j]
     if not js:
@@ -186,7 +204,7 @@ def table_generic(lines):
 
 
 TABLES = {"tensor_parallel": table_tensor_parallel, "pipeline": table_pipeline, "zero": table_zero,
-          "preprocess": table_preprocess, "generate": table_generate, "gpu_mfu": table_gpu_mfu}
+          "moe": table_moe, "preprocess": table_preprocess, "generate": table_generate, "gpu_mfu": table_gpu_mfu}
 
 
 def main(argv=None) -> int:

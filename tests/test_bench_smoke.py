@@ -139,3 +139,23 @@ def test_memory_bench_stage2_bound_counts_its_bucket():
     assert set(row["peaks"]) == {"build", "step", "save", "load"}
     assert row["bucket"] == row["transient"] > 4 * 50304 * 64, "one bucket: the whole model's fp32 gradient"
     assert 16 * row["phi"] <= row["written"] < 1.05 * 16 * row["phi"], "fp32: one copy of weights + master + moments"
+
+
+def test_moe_bench_dispatchers_and_layer_vs_loop():
+    """bench/moe.py at a tiny size: both dispatchers at EP 2 give the same output, the allgather
+    sends exactly (EP-1) T rows, the alltoall at most T k (its formula's expectation T k (EP-1)/EP);
+    the MoE layer equals the plain per-expert loop, output and input gradient."""
+    out = _bench("moe.py", "--ep", "2", "--seq", "16", "--batch", "1", "--hidden", "32", "--ffn", "64",
+                 "--experts", "4", "--reps", "2", "--warmup", "0")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    dispatch = {r["dispatcher"]: r for r in rows if r["kind"] == "dispatch"}
+    assert sorted(dispatch) == ["allgather", "alltoall"] and all(r["ep"] == 2 for r in dispatch.values())
+    assert dispatch["allgather"]["sent_rows"] == dispatch["allgather"]["formula_rows"] == 16
+    assert 0 < dispatch["alltoall"]["sent_rows"] <= dispatch["alltoall"]["bound_rows"] == 16 * 2
+    assert dispatch["alltoall"]["formula_rows"] == 16 * 2 / 2
+    assert all(r["max_diff_vs_other"] < 1e-5 and r["median_ms"] > 0 for r in dispatch.values())
+    layer = next(r for r in rows if r["kind"] == "layer")
+    assert layer["max_diff_out"] < 1e-5 and layer["max_diff_grad"] < 1e-5 and layer["ratio"] > 0
+    run_all = _load("run_all")
+    table = run_all.table_moe(out.splitlines())
+    assert table[0].startswith("| EP | dispatcher |") and any("| 2 | allgather |" in row for row in table)

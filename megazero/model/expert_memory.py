@@ -88,7 +88,8 @@ def moe_activation_delta(shape: GPTConfig, s: int, b: int, tp: int, sp: bool, et
 
 
 def moe_chunk_activation_bytes(shape: GPTConfig, layers: list[int], s: int, b: int, tp: int, sp: bool, etp: int,
-                               recompute: str | None, method: str | None, num_layers: int | None) -> tuple[float, float]:
+                               recompute: str | None, method: str | None,
+                               num_layers: int | None) -> tuple[float, float]:
     """(kept, transient) bytes the MoE layers among a chunk's global ``layers`` add to the dense
     figure: :func:`moe_activation_delta` each where it is kept; with full recompute only in the
     block being recomputed (``uniform``: blocks of ``num_layers``; ``block``: the first
