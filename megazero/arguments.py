@@ -17,6 +17,7 @@ Derived values, computed only in :func:`megazero.config.checks.derive` (called b
 * ``virtual_pipeline_model_parallel_size`` -- ``num_layers / (PP * layers_per_virtual_stage)``
 * ``lr_decay_iters``                  -- ``train_iters`` unless given
 * ``params_dtype``                    -- ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
+* ``expert_tensor_parallel_size``     -- ``tensor_model_parallel_size`` unless given (Megatron's default)
 
 The model's own derived sizes (FFN size, head size, query groups, the padded vocabulary) are
 not written here: :class:`megazero.model.GPTConfig` derives them, once, when the run's configs

@@ -111,7 +111,8 @@ def test_help_lists_groups_and_validation_exits_cleanly():
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     for group in ("network size", "regularization", "training", "initialization", "learning rate",
-                  "checkpointing", "mixed precision", "distributed", "ZeRO", "validation", "data", "logging"):
+                  "checkpointing", "mixed precision", "distributed", "ZeRO", "validation", "data", "logging",
+                  "mixture of experts"):
         assert f"\n{group}" in out.stdout, group
     bad = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE, "--tensor-model-parallel-size", "3"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120,

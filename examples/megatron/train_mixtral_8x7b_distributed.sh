@@ -1,13 +1,19 @@
 #!/bin/bash
-# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.19.0), flag for flag,
-# sizes shrunk, data at --mock-data instead of a Llama-2 tokenizer and corpus. megazero trains
-# dense GPTs only: this run stops before any process group with an error naming the MoE flags.
-#   bash examples/megatron/train_mixtral_8x7b_distributed.sh CHECKPOINT_PATH
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.20.0), flag for flag,
+# with the sizes shrunk to a CPU run (32 layers x 4096 -> 4 x 64, PP 4 x EP 8 -> PP 2 x EP 2 on 4
+# ranks, 500000 iterations -> TRAIN_ITERS) and the data at --mock-data instead of a Llama-2
+# tokenizer and corpus; launched --standalone on one node:
+#   bash examples/megatron/train_mixtral_8x7b_distributed.sh CHECKPOINT_PATH [TRAIN_ITERS]
+# Run it twice with the same CHECKPOINT_PATH: the first run starts from scratch, the second loads
+# the weights saved at its end (--no-load-optim --no-load-rng, as the original) and goes on.
+# GPUS_PER_NODE=8 runs PP 2 x EP 2 on 8 ranks (DP 4).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 CHECKPOINT_PATH=$1
+TRAIN_ITERS=${2:-4}
 
 DISTRIBUTED_ARGS=(--standalone --nproc_per_node "$GPUS_PER_NODE")
 MODEL_ARGS=(
@@ -51,7 +57,7 @@ TRAINING_ARGS=(
     --micro-batch-size 1
     --global-batch-size 8
     --lr 1e-4
-    --train-iters 4
+    --train-iters "$TRAIN_ITERS"
     --lr-decay-iters 3
     --lr-decay-style cosine
     --min-lr 1.0e-5
@@ -62,8 +68,8 @@ TRAINING_ARGS=(
 )
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size 1
-    --pipeline-model-parallel-size 4
-    --expert-model-parallel-size 4
+    --pipeline-model-parallel-size 2
+    --expert-model-parallel-size 2
     --use-distributed-optimizer
     --sequence-parallel
 )
@@ -78,6 +84,12 @@ LOGGING_ARGS=(
     --no-load-optim
     --no-load-rng
 )
+if [ -n "${WANDB_API_KEY:-}" ]; then
+    LOGGING_ARGS+=(
+        --wandb-project "${WANDB_PROJECT:-Mixtral}"
+        --wandb-exp-name "${WANDB_NAME:-Mixtral_8x7B}"
+    )
+fi
 
 cd "$ROOT"
 "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \

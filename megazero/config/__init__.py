@@ -1,7 +1,8 @@
 """Behind the door (:mod:`megazero.arguments`): everything that comes from the command line and
 config files, and the typed configs the rest of megazero reads instead of the namespace.
 
-* :mod:`.flags` -- the flags by Megatron's argument groups; :mod:`.megatron_flags` with
+* :mod:`.flags` -- the flags by Megatron's argument groups (:mod:`.moe_flags`: Mixture of Experts
+  and expert parallelism, with their checks); :mod:`.megatron_flags` with
   ``megatron_flags.tsv`` -- every other flag of Megatron-LM's parser, honoured, accepted with no
   effect, or refused;
 * :mod:`.deepspeed_config` (:mod:`.deepspeed_keys`, :mod:`.deepspeed_optim`) -- a DeepSpeed JSON
@@ -13,6 +14,8 @@ config files, and the typed configs the rest of megazero reads instead of the na
   :func:`.run_config.run_config`; :mod:`.batch_schedule`, :mod:`.optimizer`, :mod:`.model`.
 
 It imports the model's config and arithmetic (:mod:`megazero.model.config`,
-:mod:`megazero.model.memory`), the data package's tokenizer config and split parser, and
-:mod:`megazero.parallel.launch`'s rank; never training, checkpoint or planner code.
+:mod:`megazero.model.moe_config`, :mod:`megazero.model.memory`), the data package's tokenizer
+config and split parser, :mod:`megazero.parallel.launch`'s rank and
+:func:`megazero.parallel.topology.layout` (the expert grid's divisibility, checked without a
+process group); never training, checkpoint or planner code.
 """

@@ -14,6 +14,9 @@ here runs before any process group exists, so a bad flag costs no rank a wait. :
   :class:`~megazero.config.batch_schedule.BatchSchedule` (constant ``samples // B``; step
   schedule: iterations until ``samples`` are consumed; ramp-up: Megatron-LM core_v0.17.1's count)
 * ``lr_decay_iters``: ``train_iters`` unless given; ``params_dtype``; ``distributed_backend``
+* ``expert_tensor_parallel_size``: TP unless given; ``num_experts`` 0 -> None (dense); a one-entry
+  ``moe_router_load_balancing_type`` / ``moe_aux_loss_coeff`` list -> its value (Megatron's
+  ``validate_args``; :func:`megazero.config.moe_flags.derive_moe`)
 
 Batch-size schedules (:mod:`megazero.config.batch_schedule`): ``--step-batch-size-schedule``
 (Megatron core_v0.19.0) and ``--rampup-batch-size START INCR SAMPLES`` (Megatron core_v0.17.1, the
@@ -28,6 +31,7 @@ import warnings
 import torch
 
 from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
+from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.run_checks import check_required, check_run, check_values
 from megazero.parallel.launch import current_rank
 
@@ -76,6 +80,7 @@ def derive(args) -> None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.use_flash_attn:
         args.attention_backend = "flash"
+    derive_moe(args)  # Megatron's: --num-experts 0 is dense, ETP defaults to TP
 
 
 def _validate_grid(err, args) -> None:
@@ -272,8 +277,8 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     own rules, then ``extra_checks`` (``pretrain_gpt.py``: the paths it names)."""
     problems = []
     checks = [_validate_grid, check_values, _validate_model, _first_only(_validate_batch_schedule),
-              _validate_layout, check_run, _validate_schedule, _validate_features]
-    for check in checks + ([check_required] if training else []) + list(extra_checks):
+              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe]
+    for check in checks + ([check_required, check_moe_training] if training else []) + list(extra_checks):
         check(problems.append, args)
     return problems
 

@@ -22,8 +22,9 @@ from megazero.model.config import GPTConfig
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The rank grid, in Megatron's order tp-cp-ep-dp-pp (TP fastest): ``world = TP x CP x DP x PP``,
-    experts carved out of ``DP x CP`` (``EP`` divides it)."""
+    """The rank grid, in Megatron's order tp-cp-ep-dp-pp (TP fastest): ``world = TP x CP x DP x PP``;
+    the expert layers' grid (``ETP x EP x EDP x PP``) factors the same ranks, experts carved out of
+    ``TP x CP x DP`` (:mod:`megazero.parallel.topology`)."""
 
     world_size: int
     """Ranks in the run (``WORLD_SIZE`` / ``SLURM_NTASKS``)."""
@@ -37,7 +38,11 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (``--context-parallel-size``; refused above 1 until it lands)."""
     ep: int = 1
-    """Expert-parallel size (``--expert-model-parallel-size``; refused above 1 until MoE lands)."""
+    """``--expert-model-parallel-size``: ranks an MoE layer's experts are spread over (EP), carved
+    out of each pipeline stage's ``TP x CP x DP`` ranks; ``ETP x EP`` divides them."""
+    etp: int = 1
+    """``--expert-tensor-parallel-size``: ranks each expert's weights are split over (ETP);
+    resolved, ``--tensor-model-parallel-size`` when not given (Megatron's default)."""
     sequence_parallel: bool = False
     """``--sequence-parallel``: activations outside TP regions split over TP along the sequence."""
     backend: str = "gloo"

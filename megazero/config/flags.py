@@ -13,6 +13,7 @@ import argparse
 import math
 
 from megazero.config.megatron_flags import add_compat_flags
+from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
 from megazero.config.run_checks import TOKENIZERS
 
 
@@ -179,6 +180,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    add_expert_parallel_flags(g)  # --expert-model-parallel-size, --expert-tensor-parallel-size
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default nccl with CUDA, gloo otherwise")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
@@ -223,8 +225,8 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
-    for add_flags in (add_model_flags, add_training_flags, add_evaluation_and_logging_flags, add_checkpoint_flags,
-                      add_parallel_flags, add_data_flags):
+    for add_flags in (add_model_flags, add_moe_flags, add_training_flags, add_evaluation_and_logging_flags,
+                      add_checkpoint_flags, add_parallel_flags, add_data_flags):
         add_flags(p)
     add_compat_flags(p)  # Megatron-LM's other flags: no effect here (class 2) or an error (class 3)
     return p

@@ -20,9 +20,12 @@ from megazero.data.tokenizers import TokenizerConfig
 
 
 def parallel_config(args) -> ParallelConfig:
-    """The rank grid. CP and EP are 1 (their Megatron flags are refused above 1 for now)."""
-    return ParallelConfig(world_size=args.world_size, tp=args.tensor_model_parallel_size,
-                          pp=args.pipeline_model_parallel_size, vp=args.virtual_pipeline_model_parallel_size,
+    """The rank grid: TP, PP (and VP), EP and ETP (``--expert-tensor-parallel-size``, TP unless
+    given). CP is 1 (its Megatron flag is refused above 1 for now)."""
+    tp = args.tensor_model_parallel_size
+    return ParallelConfig(world_size=args.world_size, tp=tp, pp=args.pipeline_model_parallel_size,
+                          vp=args.virtual_pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
+                          etp=args.expert_tensor_parallel_size or tp,
                           sequence_parallel=args.sequence_parallel, backend=args.distributed_backend,
                           timeout_minutes=args.distributed_timeout_minutes)
 
@@ -116,10 +119,11 @@ def jsonable_flags(args) -> dict:
 
 def run_config(args, vocab_size: int) -> RunConfig:
     """Every config of a run from ``parse_args``' validated namespace; ``vocab_size``: the
-    tokenizer's (or ``--vocab-size`` with mock data). The model's sizes are checked against TP."""
-    model = gpt_config(args, vocab_size=vocab_size)
-    model.check_tp(args.tensor_model_parallel_size)
-    return RunConfig(model=model, parallel=parallel_config(args), optimizer=OptimizerConfig.from_args(args),
+    tokenizer's (or ``--vocab-size`` with mock data). The model's sizes are checked against TP
+    (the experts' against ETP)."""
+    model, parallel = gpt_config(args, vocab_size=vocab_size), parallel_config(args)
+    model.check_tp(parallel.tp, parallel.etp)
+    return RunConfig(model=model, parallel=parallel, optimizer=OptimizerConfig.from_args(args),
                      data=data_config(args), schedule=schedule_config(args), checkpoint=checkpoint_config(args),
                      logging=logging_config(args), seed=args.seed, attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
