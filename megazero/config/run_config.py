@@ -17,6 +17,7 @@ from megazero.config.configs import (CheckpointConfig, DataConfig, LoggingConfig
 from megazero.config.model import gpt_config
 from megazero.config.optimizer import OptimizerConfig
 from megazero.data.tokenizers import TokenizerConfig
+from megazero.model.moe_config import MOE_ARG_KEYS
 
 
 def parallel_config(args) -> ParallelConfig:
@@ -117,6 +118,16 @@ def jsonable_flags(args) -> dict:
     return out
 
 
+def recorded_flags(args, model) -> dict:
+    """:func:`jsonable_flags`, without the MoE settings when the model is dense: a checkpoint
+    records ``{**flags, **model.to_args()}`` and a dense ``to_args`` holds ``num_experts`` None
+    only, so ``--moe-layer-freq``'s default must not read as a shape of the saved model."""
+    flags = jsonable_flags(args)
+    if model.moe is None:
+        flags = {k: v for k, v in flags.items() if k == "num_experts" or k not in MOE_ARG_KEYS}
+    return flags
+
+
 def run_config(args, vocab_size: int) -> RunConfig:
     """Every config of a run from ``parse_args``' validated namespace; ``vocab_size``: the
     tokenizer's (or ``--vocab-size`` with mock data). The model's sizes are checked against TP
@@ -127,4 +138,4 @@ def run_config(args, vocab_size: int) -> RunConfig:
                      data=data_config(args), schedule=schedule_config(args), checkpoint=checkpoint_config(args),
                      logging=logging_config(args), seed=args.seed, attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                     flags=MappingProxyType(jsonable_flags(args)))
+                     flags=MappingProxyType(recorded_flags(args, model)))

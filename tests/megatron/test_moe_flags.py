@@ -12,6 +12,7 @@ import pytest
 
 from megazero.arguments import parse_args
 from megazero.config.megatron_flags import megatron_flags
+from megazero.model.moe_config import MOE_ARG_KEYS
 from megazero.training.build import build_configs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,11 @@ def test_megatron_defaults_and_derived_values():
     assert parse(MOE + ["--moe-layer-freq", "2"]).moe_layer_freq == 2  # Megatron's moe_freq_type: an int
     dense = parse(BASE + ["--num-experts", "0"])
     assert dense.num_experts is None and build_configs(dense).model.moe is None
-    assert build_configs(parse(BASE)).model.moe is None and build_configs(parse(BASE)).parallel.etp == 1
+    c = build_configs(parse(BASE))
+    assert c.model.moe is None and c.parallel.etp == 1
+    # a dense checkpoint's record holds no MoE setting (its model's to_args has num_experts None only)
+    assert c.flags["num_experts"] is None and not set(MOE_ARG_KEYS[1:]) & set(c.flags)
+    assert "moe_layer_freq" in build_configs(parse(MOE)).flags
 
 
 @pytest.mark.parametrize("extra, world, message", [
