@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
+from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.run_checks import check_required, check_run, check_values
 from megazero.parallel.launch import current_rank
@@ -59,8 +60,9 @@ def resolve_aliases(args) -> None:
 
 def derive(args) -> None:
     """Compute every derived value (one place). Assumes :func:`validate` passed."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    args.data_parallel_size = args.world_size // (tp * pp)
+    pp = args.pipeline_model_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel_product(args)  # CP excluded, as Megatron
+    derive_cp(args)
     if args.num_layers_per_virtual_pipeline_stage:
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
     else:
@@ -84,20 +86,23 @@ def derive(args) -> None:
 
 
 def _validate_grid(err, args) -> None:
-    """TP and PP at least 1, and TP x PP divides the world size."""
+    """TP, PP and CP at least 1, and TP x CP x PP divides the world size."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, name) < 1:
             err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if grid_valid(args) is False:
+        cp = args.context_parallel_size
         err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}")
+            f"--pipeline-model-parallel-size {pp}{f' x --context-parallel-size {cp}' if cp > 1 else ''} = "
+            f"{model_parallel_product(args)}")
 
 
 def grid_valid(args) -> bool | None:
-    """None when TP or PP is < 1 (no grid to check against), else whether TP x PP divides the world."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    return None if min(tp, pp) < 1 else args.world_size % (tp * pp) == 0
+    """None when TP, PP or CP is < 1 (no grid to check against), else whether TP x CP x PP
+    divides the world."""
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size)
+    return None if min(sizes) < 1 else args.world_size % model_parallel_product(args) == 0
 
 
 def _validate_layout(err, args) -> None:
@@ -106,7 +111,7 @@ def _validate_layout(err, args) -> None:
     if not grid_valid(args):
         return
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    dp = world // (tp * pp)
+    dp = world // model_parallel_product(args)
     if args.num_layers is not None:
         if args.num_layers % pp:
             err(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
@@ -218,11 +223,11 @@ def _validate_batch_schedule(err, args) -> None:
         if args.global_batch_size is not None and args.global_batch_size not in (steps[0][1], steps[-1][1]):
             err(f"--global-batch-size {args.global_batch_size} disagrees with --step-batch-size-schedule {text!r} "
                 f"(Megatron-LM refuses the two together; drop one)")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if min(tp, pp) < 1 or args.world_size % (tp * pp) or not args.micro_batch_size or args.micro_batch_size < 1:
+    pp = args.pipeline_model_parallel_size
+    if not grid_valid(args) or not args.micro_batch_size or args.micro_batch_size < 1:
         return
     try:
-        schedule = BatchSchedule.from_args(args, data_parallel_size=args.world_size // (tp * pp))
+        schedule = BatchSchedule.from_args(args, data_parallel_size=args.world_size // model_parallel_product(args))
         iters = args.train_iters if args.train_iters is not None else schedule.train_iters(args.train_samples or 0)
         schedule.check(iters, pp, interleaved=args.num_layers_per_virtual_pipeline_stage is not None)
     except ValueError as e:
@@ -277,7 +282,7 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     own rules, then ``extra_checks`` (``pretrain_gpt.py``: the paths it names)."""
     problems = []
     checks = [_validate_grid, check_values, _validate_model, _first_only(_validate_batch_schedule),
-              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe]
+              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp]
     for check in checks + ([check_required, check_moe_training] if training else []) + list(extra_checks):
         check(problems.append, args)
     return problems

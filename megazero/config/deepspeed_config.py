@@ -25,6 +25,7 @@ import math
 import os
 import warnings
 
+from megazero.config.cp_flags import model_parallel_product
 from megazero.config.deepspeed_keys import (BATCH_KEYS, BLOCKS_ENABLED_BY_PRESENCE, FP16_KEYS, HARMLESS_KEYS,
                                      NO_EFFECT_KEYS, NO_EFFECT_SUBKEYS, NO_EFFECT_ZERO_KEYS, ONLY_DEFAULT_KEYS,
                                      TOP_KEYS, ZERO_KEYS, fp16_scaler_defaults, load_config, offload_devices)
@@ -130,7 +131,7 @@ def is_rank0(env=os.environ) -> bool:
 
 
 def data_parallel_size(args) -> int | None:
-    mp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    mp = model_parallel_product(args)
     return args.world_size // mp if mp > 0 and args.world_size % mp == 0 else None
 
 

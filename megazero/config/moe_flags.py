@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from megazero.config.cp_flags import model_parallel_product
 from megazero.model.config import default_ffn_hidden_size
 from megazero.model.moe_config import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig
 from megazero.parallel.topology import layout
@@ -136,8 +137,8 @@ def check_expert_grid(err, args) -> None:
     elif experts and experts > 0 and ep >= 1 and experts % ep:
         err(f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     etp = tp if etp is None else etp
-    if min(tp, pp, ep, etp) < 1 or world % (tp * pp):
-        return  # sizes below 1 and TP x PP not dividing the world are named by their own checks
+    if min(tp, pp, ep, etp) < 1 or world % model_parallel_product(args):
+        return  # sizes below 1 and TP x CP x PP not dividing the world are named by their own checks
     try:
         layout(world, tp=tp, pp=pp, cp=getattr(args, "context_parallel_size", 1), ep=ep, etp=etp)
     except ValueError as e:

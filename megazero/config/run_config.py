@@ -25,7 +25,8 @@ def parallel_config(args) -> ParallelConfig:
     given). CP is 1 (its Megatron flag is refused above 1 for now)."""
     tp = args.tensor_model_parallel_size
     return ParallelConfig(world_size=args.world_size, tp=tp, pp=args.pipeline_model_parallel_size,
-                          vp=args.virtual_pipeline_model_parallel_size, ep=args.expert_model_parallel_size,
+                          vp=args.virtual_pipeline_model_parallel_size, cp=args.context_parallel_size,
+                          ep=args.expert_model_parallel_size,
                           etp=args.expert_tensor_parallel_size or tp,
                           sequence_parallel=args.sequence_parallel, backend=args.distributed_backend,
                           timeout_minutes=args.distributed_timeout_minutes)

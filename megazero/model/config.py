@@ -203,10 +203,12 @@ class GPTConfig:
         ffn = kwargs.get("ffn_hidden_size") or default_ffn_hidden_size(kwargs.get("hidden_size", 0),
                                                                        activation == "swiglu")
         moe = MoEConfig.from_megatron(given, layers, ffn) if layers is not None else None
+        cp_comm = given.get("cp_comm_type", "p2p")  # Megatron's is a list (one type for all layers here)
+        cp_comm = cp_comm[0] if isinstance(cp_comm, (list, tuple)) and len(cp_comm) == 1 else cp_comm
         return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
                    apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
                    sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe,
-                   cp_comm_type=given.get("cp_comm_type", "p2p"), **kwargs)
+                   cp_comm_type=cp_comm, **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":

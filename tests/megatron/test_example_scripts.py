@@ -45,6 +45,17 @@ def test_llama3_script_trains_saves_and_resumes(tmp_path):
     assert [l[:3] for l in lines] == [(str(i), "6", str(8 * i)) for i in range(4, 7)]
 
 
+def test_llama3_script_at_context_parallel_2_trains_and_resumes(tmp_path):
+    """Megatron's CP_SIZE=2: the two ranks split each sequence (ring attention), DP 1."""
+    ck, tb = tmp_path / "ck", tmp_path / "tb"
+    out, lines = script("train_llama3_8b.sh", ck, tb, 24, CP_SIZE="2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cp 0/2 dp 0/1" in out.stdout and [l[0] for l in lines] == ["1", "2", "3"]
+    out, lines = script("train_llama3_8b.sh", ck, tb, 48, CP_SIZE="2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [l[:3] for l in lines] == [(str(i), "6", str(8 * i)) for i in range(4, 7)]
+
+
 def test_mixtral_script_trains_saves_and_resumes(tmp_path):
     """Megatron's Mixtral 8x7B flags, sizes shrunk: 8 experts, top-2, aux loss, alltoall, EP 2 x PP 2 x
     DP 2 on 4 CPU ranks; the second run loads the weights saved at the end of the first (the script
