@@ -126,9 +126,9 @@ def _trainer(o, seq: int, comm: str, topo):
     return step
 
 
-def _attention_peak(o, seq: int, comm: str, topo) -> int:
-    """Peak bytes one attention call adds (forward + backward), this rank's shapes; the second
-    of two calls (the first pages in code and pools, ~40 MiB once)."""
+def _attention_peak(o, seq: int, comm: str, topo) -> tuple[int, int]:
+    """Peak bytes one attention call adds in its forward and in its backward, this rank's
+    shapes; the second of two calls (the first pages in code and pools, ~40 MiB once)."""
     import torch
     import torch.nn.functional as F
 
@@ -146,8 +146,10 @@ def _attention_peak(o, seq: int, comm: str, topo) -> int:
             out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"])
         else:
             out = ulysses_attention(q, k, v, topo.group("cp"), cp, enable_gqa=groups != o.heads)
+        fwd = _peak_since_reset() - before
+        _reset_peak()
         out.backward(do)
-        peak = _peak_since_reset() - before
+        peak = (fwd, _peak_since_reset() - before)
         del out
         q.grad = k.grad = v.grad = None
     return peak
@@ -198,7 +200,9 @@ def run_config(o, seq: int, cp: int, comm: str) -> dict:
     ranks = run_distributed(_rank, cp, o, seq, comm, timeout_s=3600)
     sent = {k: max(r["sent"].get(k, 0) for r in ranks) for k in ("ring_fwd", "ring_bwd", "a2a")}
     return {"seq": seq, "cp": cp, "comm": comm if cp > 1 else "sdpa",
-            "step_peak": max(r["step_peak"] for r in ranks), "attention_peak": max(r["attention_peak"] for r in ranks),
+            "step_peak": max(r["step_peak"] for r in ranks),
+            "attention_fwd": max(r["attention_peak"][0] for r in ranks),
+            "attention_bwd": max(r["attention_peak"][1] for r in ranks),
             "resident": max(r["resident"] for r in ranks),
             "wall_s": statistics.median(max(r["wall"][i] for r in ranks) for i in range(o.iters)),
             "cpu_s": statistics.median(c for r in ranks for c in r["cpu"]),
@@ -212,7 +216,7 @@ def _ratio(a, b) -> str:
 def table(rows) -> str:
     """Markdown: one row per configuration; memory ratios against CP 1 at the same sequence."""
     base = {r["seq"]: r for r in rows if r["cp"] == 1}
-    head = ["seq", "CP", "attention", "step peak MiB", "/ CP 1", "attention call MiB", "in score blocks",
+    head = ["seq", "CP", "attention", "step peak MiB", "/ CP 1", "attention fwd / bwd MiB", "in score blocks",
             "wall s/step", "CPU s/step", "sent fwd MiB (formula)", "sent bwd MiB (formula)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -226,8 +230,10 @@ def table(rows) -> str:
             fwd = bwd = "-"
         out.append("| " + " | ".join([
             str(r["seq"]), str(r["cp"]), r["comm"], f"{r['step_peak'] / MB:.0f}",
-            _ratio(r["step_peak"], b["step_peak"]) if b else "-", f"{r['attention_peak'] / MB:.0f}",
-            f"{r['attention_peak'] / f['block']:.1f}" if r["comm"] == "p2p" else "-",
+            _ratio(r["step_peak"], b["step_peak"]) if b else "-",
+            f"{r['attention_fwd'] / MB:.0f} / {r['attention_bwd'] / MB:.0f}",
+            f"{r['attention_fwd'] / f['block']:.1f} / {r['attention_bwd'] / f['block']:.1f}"
+            if r["comm"] == "p2p" else "-",
             f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", fwd, bwd]) + " |")
     return "\n".join(out)
 
