@@ -14,6 +14,7 @@ Benches (each a separate process, ``PYTHONPATH`` = the repository root, run from
 * ``preprocess``      -- tokenizing the bundled corpus, sample/blending index build
 * ``generate``        -- megazero generation vs ``transformers`` (only if ``bench/generate.py`` exists)
 * ``gpu_mfu``         -- ``bench/gpu_mfu.py --tiny`` on CPU (a smoke run; its real figure needs a GPU)
+* ``context_parallel`` -- CP 1/2/4 (ring and Ulysses) at seq 8192: per-rank step peak, step time, traffic vs formula
 
 The machine (cores, CPU model, load average before and after each bench), the date and the
 commit are printed with the results, since the figures move with the load of a shared box.
@@ -45,6 +46,7 @@ def benches(quick: bool) -> list[tuple[str, list[str]]]:
     if os.path.exists(os.path.join(ROOT, "bench", "generate.py")):
         out.append(("generate", ["bench/generate.py"]))
     out.append(("gpu_mfu", ["bench/gpu_mfu.py", "--tiny"]))
+    out.append(("context_parallel", ["bench/context_parallel.py", "--seq", s(8192, 4096), "--iters", s(3, 2)]))
     return out
 
 
@@ -196,6 +198,10 @@ def table_gpu_mfu(lines):
     return _table(list(keys), [[j[k] for k in keys]])
 
 
+def table_context_parallel(lines):
+    return [l for l in lines if l.startswith("|")] + [""] + [l for l in lines if l.startswith("target ")]
+
+
 def table_generic(lines):
     js = _json_lines(lines)
     if js:
@@ -204,7 +210,8 @@ def table_generic(lines):
 
 
 TABLES = {"tensor_parallel": table_tensor_parallel, "pipeline": table_pipeline, "zero": table_zero,
-          "moe": table_moe, "preprocess": table_preprocess, "generate": table_generate, "gpu_mfu": table_gpu_mfu}
+          "moe": table_moe, "preprocess": table_preprocess, "generate": table_generate, "gpu_mfu": table_gpu_mfu,
+          "context_parallel": table_context_parallel}
 
 
 def main(argv=None) -> int:

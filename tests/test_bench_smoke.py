@@ -159,3 +159,22 @@ def test_moe_bench_dispatchers_and_layer_vs_loop():
     run_all = _load("run_all")
     table = run_all.table_moe(out.splitlines())
     assert table[0].startswith("| EP | dispatcher |") and any("| 2 | allgather |" in row for row in table)
+
+
+def test_context_parallel_bench_counts_the_formula_bytes():
+    """bench/context_parallel.py at a tiny size, CP 1 and 2, both comm types: the bytes each rank
+    sends equal the formulas exactly, every row has its times, and run_all's parser
+    keeps the Markdown table and the target lines."""
+    out = _bench("context_parallel.py", "--seq", "64", "--hidden", "32", "--vocab", "64", "--cp", "1", "2",
+                 "--iters", "1")
+    rows = {(j["cp"], j["comm"]): j for j in map(json.loads, (l for l in out.splitlines() if l.startswith("{")))}
+    assert sorted(rows) == [(1, "sdpa"), (2, "a2a"), (2, "p2p")]
+    ring, ulysses = rows[2, "p2p"], rows[2, "a2a"]
+    assert ring["sent"]["ring_fwd"] == ring["formula"]["ring_fwd"] > 0 and ring["sent"]["a2a"] == 0
+    kv = 4 * 32 * 8 * 4  # one rank's K: G 4 x s/CP 32 x d 8, fp32
+    assert ring["sent"]["ring_bwd"] == ring["formula"]["ring_bwd"] == 2 * 2 * 4 * kv  # layers x CP x (K, V, dK, dV)
+    assert ulysses["sent"]["a2a"] == ulysses["formula"]["a2a"] > 0 and ulysses["sent"]["ring_fwd"] == 0
+    assert all(r["wall_s"] > 0 and r["cpu_s"] > 0 and "step_peak" in r for r in rows.values())
+    summary = _load("run_all").table_context_parallel(out.splitlines())
+    assert summary[0].startswith("| seq | CP |") and sum(l.startswith("| 64 |") for l in summary) == 3
+    assert summary[-1].startswith("target seq 64 CP 2 a2a")
