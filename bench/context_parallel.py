@@ -2,8 +2,8 @@
 attention's communication of a GPT training step at CP 1, 2 and 4, ``--cp-comm-type`` p2p (the
 ring) and a2a (Ulysses), against the formulas. Run one configuration after another::
 
-    PYTHONPATH=. .venv/bin/python bench/context_parallel.py                  # seq 8192: CP 1, 2, 4 x p2p, a2a
-    PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 16384      # the longer sequence
+    PYTHONPATH=. .venv/bin/python bench/context_parallel.py                  # seq 8192: CP 1, 2, 4 x p2p, a2a (~2.5 min)
+    PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 16384      # the longer sequence (~8 min)
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 8192 16384 --iters 5 --json cp.json
 
 Model: ``--layers`` 2, ``--hidden`` 128, ``--heads`` 4 (``--groups``: query groups, GQA), RoPE,
@@ -20,7 +20,7 @@ mapping, unmapped on free, so the resident set follows what is alive), runs ``--
 (``/proc/self/clear_refs`` = 5) and reads ``ru_maxrss`` after the timed steps. "step peak" =
 that peak minus the resident set before: what a step adds on top of the model and optimizer
 states (activations, their gradients, the attention's temporaries). A second phase runs one
-attention call alone (one layer's ``q, k, v``, forward and backward) the same way; for the ring
+attention call alone (one layer's ``q, k, v``; its forward's peak, then its backward's) the same way; for the ring
 it is also given in fp32 score blocks ``b H L^2 4`` bytes, ``L = s / 2CP``: the ring forms the
 scores of each (query chunk, key chunk) pair explicitly. The largest rank's figures are shown.
 
