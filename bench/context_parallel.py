@@ -2,7 +2,7 @@
 attention's communication of a GPT training step at CP 1, 2 and 4, ``--cp-comm-type`` p2p (the
 ring) and a2a (Ulysses), against the formulas. Run one configuration after another::
 
-    PYTHONPATH=. .venv/bin/python bench/context_parallel.py                  # seq 8192: CP 1, 2, 4 x p2p, a2a (~2.5 min)
+    PYTHONPATH=. .venv/bin/python bench/context_parallel.py                  # seq 8192, CP 1/2/4 x p2p/a2a (~2.5 min)
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 16384      # the longer sequence (~8 min)
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 8192 16384 --iters 5 --json cp.json
 
