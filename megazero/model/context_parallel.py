@@ -19,8 +19,10 @@ block's ``(o_b, lse_b)`` (``o_b = softmax(S_b) V_b`` over that block only)::
 which equals one softmax over all keys. Backward re-walks the ring with ``dK, dV`` travelling
 with their block (back at their owner after ``CP`` hops): with ``P = exp(S - lse)``,
 ``D = rowsum(dO o O)``: ``dV += P^T dO``, ``dS = P o (dO V^T - D)``, ``dQ += dS K / sqrt(d)``,
-``dK += dS^T Q / sqrt(d)``. Per direction a rank sends ``CP - 1`` K/V blocks forward and ``CP``
-(K, V, dK, dV) blocks backward.
+``dK += dS^T Q / sqrt(d)``. A rank sends ``CP - 1`` K/V blocks in forward; in backward the K/V
+blocks go ahead again (``CP - 1`` hops, in flight while the current block is computed) and the
+fp32 ``dK, dV`` of each block follow it, ``CP`` hops, the last one home. Scores are computed in
+query-row tiles of at most ``TILE_ELEMS`` elements, so the quadratic buffer is bounded.
 
 **All-to-all** (``a2a``, DeepSpeed-Ulysses, :func:`ulysses_attention`): an all-to-all turns
 ``[b, H, s/CP, d]`` (sequence-sharded) into ``[b, H/CP, s, d]`` (head-sharded), the chunks are put
@@ -65,17 +67,6 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _block(q, k, v, mask, scale):
-    """``(o_b, lse_b)`` of queries over one key block: fp32 scores, ``mask`` True = hidden."""
-    acc = _acc(q)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse)
-    return torch.matmul(p, v.to(acc)), lse
-
-
 def _merge(o, lse, o_b, lse_b):
     new = torch.logaddexp(lse, lse_b)
     return o * torch.exp(lse - new) + o_b * torch.exp(lse_b - new), new
@@ -94,8 +85,8 @@ def _pairs(cp: int, rank: int, src: int):
 class _Ring:
     """One rank's ring over the CP group (global ranks of its members)."""
 
-    def __init__(self, group, ranks: list[int]):
-        self.group, self.ranks = group, ranks
+    def __init__(self, group, ranks: list[int], tile_elems: int):
+        self.group, self.ranks, self.tile_elems = group, ranks, tile_elems
         self.cp, self.rank = len(ranks), dist.get_rank(group)
 
     def shift(self, tensors: list[torch.Tensor]):
@@ -113,29 +104,52 @@ def _expand(t, rep):
     return t.repeat_interleave(rep, dim=1) if rep > 1 else t
 
 
-def _causal(L, device):
-    return torch.ones(L, L, dtype=torch.bool, device=device).triu(1)
+TILE_ELEMS = 1 << 22  # score elements per tile (16 MiB in fp32): the ring's only quadratic buffer
+
+
+def _tiles(q_block: torch.Tensor, L: int, tile_elems: int):
+    """Row slices of a ``[b, H, L, d]`` query block so that one ``[b, H, rows, L]`` score tile
+    holds at most ``tile_elems`` elements (flash attention's tiling, on the query side)."""
+    b, H = q_block.shape[:2]
+    rows = max(1, min(L, tile_elems // max(1, b * H * L)))
+    return [slice(r, min(L, r + rows)) for r in range(0, L, rows)]
+
+
+def _probs(q, k, rows: slice, causal: bool, scale: float, lse=None):
+    """Scores of query ``rows`` against a key block, masked causally on the diagonal block
+    (query row ``i`` sees keys ``<= i``); then ``exp(S - lse)`` in place, with ``lse`` the
+    block's own log-sum-exp when not given. Returns ``(P, lse)``."""
+    s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)).mul_(scale)
+    if causal:
+        i = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
+        s.masked_fill_(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > i, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return s.sub_(lse).exp_(), lse
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of ``q [b, H, 2L, d]`` over the whole sequence whose K/V (``[b, G, 2L, d]``
-    per rank) are spread over the CP ring (see the module doc)."""
+    per rank) are spread over the CP ring (see the module doc). Scores are computed in row tiles
+    (:func:`_tiles`, at most ``tile_elems`` elements) and turned into probabilities in place: a rank holds at most two score tiles
+    at once, whatever the sequence length."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        rep, scale, L = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
-        mask = _causal(L, q.device)
-        o = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
-        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=_acc(q), device=q.device)
-        kv, qh = (k, v), q.split(L, dim=2)
+        rep, scale, L, acc = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2, _acc(q)
+        o = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=acc, device=q.device)
+        kv, qh = (k, v), [t.to(acc) for t in q.split(L, dim=2)]
         for step in range(ring.cp):
             src = (ring.rank - step) % ring.cp
             nxt, wait = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
-            kh, vh = (_expand(t, rep).split(L, dim=2) for t in kv)
+            kh, vh = ([b.to(acc) for b in _expand(t, rep).split(L, dim=2)] for t in kv)
             for qa, kb, causal in _pairs(ring.cp, ring.rank, src):
-                rows = slice(qa * L, (qa + 1) * L)
-                o_b, lse_b = _block(qh[qa], kh[kb], vh[kb], mask if causal else None, scale)
-                o[:, :, rows], lse[:, :, rows] = _merge(o[:, :, rows], lse[:, :, rows], o_b, lse_b)
+                for rows in _tiles(qh[qa], L, ring.tile_elems):
+                    p, lse_b = _probs(qh[qa], kh[kb], rows, causal, scale)
+                    at = slice(qa * L + rows.start, qa * L + rows.stop)
+                    o[:, :, at], lse[:, :, at] = _merge(o[:, :, at], lse[:, :, at], torch.matmul(p, vh[kb]), lse_b)
+                    del p
             if wait is not None:
                 wait()
                 kv = tuple(nxt)
@@ -146,42 +160,46 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        ring, rep = ctx.ring, ctx.rep
+        ring, rep, acc = ctx.ring, ctx.rep, _acc(q)
         scale, L = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
-        mask = _causal(L, q.device)
-        acc = _acc(q)
         do = do.to(acc)
         D = (do * o).sum(dim=-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        state = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+        kv, grads = (k, v), [torch.zeros(k.shape, dtype=acc, device=k.device),
+                             torch.zeros(v.shape, dtype=acc, device=v.device)]
         qf = q.to(acc)
-        for step in range(ring.cp):
+        for step in range(ring.cp):  # K/V travel ahead (CP - 1 hops); dK, dV follow their block home (CP hops)
             src = (ring.rank - step) % ring.cp
-            kk, vv, dk, dv = state
-            ke, ve = _expand(kk, rep).to(acc), _expand(vv, rep).to(acc)
+            nxt, wait_kv = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
+            ke, ve = _expand(kv[0], rep).to(acc), _expand(kv[1], rep).to(acc)
             dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)
             for qa, kb, causal in _pairs(ring.cp, ring.rank, src):
-                rq, rk = slice(qa * L, (qa + 1) * L), slice(kb * L, (kb + 1) * L)
-                s = torch.matmul(qf[:, :, rq], ke[:, :, rk].transpose(-1, -2)) * scale
-                if causal:
-                    s = s.masked_fill(mask, float("-inf"))
-                p = torch.exp(s - lse[:, :, rq])
-                dve[:, :, rk] += torch.matmul(p.transpose(-1, -2), do[:, :, rq])
-                ds = p * (torch.matmul(do[:, :, rq], ve[:, :, rk].transpose(-1, -2)) - D[:, :, rq])
-                dq[:, :, rq] += torch.matmul(ds, ke[:, :, rk]) * scale
-                dke[:, :, rk] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rq]) * scale
-            b, G = kk.shape[:2]
-            dk = dk + dke.view(b, G, rep, *dke.shape[2:]).sum(2)
-            dv = dv + dve.view(b, G, rep, *dve.shape[2:]).sum(2)
-            received, wait = ring.shift([kk, vv, dk, dv])  # after the last step: dK, dV home
-            wait()
-            state = received
-        return dq.to(q.dtype), state[2].to(k.dtype), state[3].to(v.dtype), None
+                rk = slice(kb * L, (kb + 1) * L)
+                q_blk, do_blk = qf[:, :, qa * L:(qa + 1) * L], do[:, :, qa * L:(qa + 1) * L]
+                for rows in _tiles(q_blk, L, ring.tile_elems):
+                    at = slice(qa * L + rows.start, qa * L + rows.stop)
+                    p, _ = _probs(q_blk, ke[:, :, rk], rows, causal, scale, lse[:, :, at])
+                    dve[:, :, rk] += torch.matmul(p.transpose(-1, -2), do_blk[:, :, rows])
+                    ds = torch.matmul(do_blk[:, :, rows], ve[:, :, rk].transpose(-1, -2)).sub_(D[:, :, at]).mul_(p)
+                    del p
+                    dq[:, :, at] += torch.matmul(ds, ke[:, :, rk]).mul_(scale)
+                    dke[:, :, rk] += torch.matmul(ds.transpose(-1, -2), q_blk[:, :, rows]).mul_(scale)
+                    del ds
+            b, G = kv[0].shape[:2]
+            grads[0] += dke.view(b, G, rep, *dke.shape[2:]).sum(2)
+            grads[1] += dve.view(b, G, rep, *dve.shape[2:]).sum(2)
+            grads, wait_grads = ring.shift(grads)
+            wait_grads()
+            if wait_kv is not None:
+                wait_kv()
+                kv = tuple(nxt)
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
 
 
-def ring_attention(q, k, v, group, ranks: list[int]):
-    """:class:`RingAttention` over the CP group (``ranks``: its members' global ranks)."""
-    return RingAttention.apply(q, k, v, _Ring(group, ranks))
+def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEMS):
+    """:class:`RingAttention` over the CP group (``ranks``: its members' global ranks);
+    ``tile_elems``: the most score elements computed at once."""
+    return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems))
 
 
 def _seq_to_heads(x, group, cp: int):
