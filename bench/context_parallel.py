@@ -69,14 +69,14 @@ def _peak_since_reset() -> int:
 
 def count_comm(counts: collections.Counter) -> None:
     """Wrap this process's ``torch.distributed.batch_isend_irecv`` and ``all_to_all_single`` so
-    that the bytes sent to other ranks add up in ``counts`` (``ring_fwd``: exchanges of 2
-    tensors, ``ring_bwd``: of 4, ``a2a``: all-to-all rows sent to peers)."""
+    that the bytes sent to other ranks add up in ``counts`` (``ring``: the ring's point-to-point
+    exchanges, forward and backward; ``a2a``: all-to-all rows sent to peers)."""
     import torch.distributed as dist
     batch, a2a = dist.batch_isend_irecv, dist.all_to_all_single
 
     def batch_isend_irecv(ops):
         sends = [op.tensor for op in ops if op.op is dist.isend]
-        key = {2: "ring_fwd", 4: "ring_bwd"}.get(len(sends), "p2p_other")
+        key = "ring"
         counts[key] += sum(t.numel() * t.element_size() for t in sends)
         counts[key + "_calls"] += 1
         return batch(ops)
@@ -190,7 +190,8 @@ def formulas(o, seq: int, cp: int) -> dict:
     kv = groups * (seq // cp) * d * 4
     local = (2 * o.heads + 2 * groups) * (seq // cp) * d * 4
     block = o.heads * (seq // (2 * cp)) ** 2 * 4
-    return {"ring_fwd": o.layers * (cp - 1) * 2 * kv, "ring_bwd": o.layers * cp * 4 * kv,
+    # forward: CP - 1 hops of (K, V); backward: CP - 1 hops of (K, V) again and CP of (dK, dV) in fp32
+    return {"ring": o.layers * ((cp - 1) * 2 * kv * 2 + cp * 2 * kv),
             "a2a": o.layers * 2 * (cp - 1) * local // cp, "block": block}
 
 
@@ -198,7 +199,7 @@ def run_config(o, seq: int, cp: int, comm: str) -> dict:
     from megazero.testing import run_distributed
     load = os.getloadavg()[0]
     ranks = run_distributed(_rank, cp, o, seq, comm, timeout_s=3600)
-    sent = {k: max(r["sent"].get(k, 0) for r in ranks) for k in ("ring_fwd", "ring_bwd", "a2a")}
+    sent = {k: max(r["sent"].get(k, 0) for r in ranks) for k in ("ring", "a2a")}
     return {"seq": seq, "cp": cp, "comm": comm if cp > 1 else "sdpa",
             "step_peak": max(r["step_peak"] for r in ranks),
             "attention_fwd": max(r["attention_peak"][0] for r in ranks),
@@ -217,24 +218,19 @@ def table(rows) -> str:
     """Markdown: one row per configuration; memory ratios against CP 1 at the same sequence."""
     base = {r["seq"]: r for r in rows if r["cp"] == 1}
     head = ["seq", "CP", "attention", "step peak MiB", "/ CP 1", "attention fwd / bwd MiB", "in score blocks",
-            "wall s/step", "CPU s/step", "sent fwd MiB (formula)", "sent bwd MiB (formula)"]
+            "wall s/step", "CPU s/step", "sent fwd + bwd MiB (formula)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b, f, s = base.get(r["seq"]), r["formula"], r["sent"]
-        if r["comm"] == "p2p":
-            fwd, bwd = (f"{s['ring_fwd'] / MB:.1f} ({f['ring_fwd'] / MB:.1f})",
-                        f"{s['ring_bwd'] / MB:.1f} ({f['ring_bwd'] / MB:.1f})")
-        elif r["comm"] == "a2a":
-            fwd = bwd = f"{s['a2a'] / 2 / MB:.1f} ({f['a2a'] / 2 / MB:.1f})"
-        else:
-            fwd = bwd = "-"
+        kind = {"p2p": "ring", "a2a": "a2a"}.get(r["comm"])
+        sent = f"{s[kind] / MB:.1f} ({f[kind] / MB:.1f})" if kind else "-"
         out.append("| " + " | ".join([
             str(r["seq"]), str(r["cp"]), r["comm"], f"{r['step_peak'] / MB:.0f}",
             _ratio(r["step_peak"], b["step_peak"]) if b else "-",
             f"{r['attention_fwd'] / MB:.0f} / {r['attention_bwd'] / MB:.0f}",
             f"{r['attention_fwd'] / f['block']:.1f} / {r['attention_bwd'] / f['block']:.1f}"
             if r["comm"] == "p2p" else "-",
-            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", fwd, bwd]) + " |")
+            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", sent]) + " |")
     return "\n".join(out)
 
 
