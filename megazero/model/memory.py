@@ -14,21 +14,17 @@ the final norm and, untied or PP > 1, the output layer ``V' h / t``. An MoE laye
 (an MLP over TP) and its gate ``h`` -- dense -- and ``E / EP`` routed experts of ``k f_e h / ETP``
 each -- expert Φ_e.
 
-**Model states (ZeRO)**, N = DP, bytes per parameter p (2 with --fp16/--bf16, else 4), g (4
+**Model states (ZeRO)**, N = DP x CP, bytes per parameter p (2 with --fp16/--bf16, else 4), g (4
 with --bf16, fp32 or --accumulate-allreduce-grads-in-fp32, else 2), 12 (fp32 master, Adam m, v)::
 
     stage 0 (p + g + 12) Φ    1: (p + g) Φ + 12 Φ / N    2: p Φ + (g + 12) Φ / N    3: (p + g + 12) Φ / N
 
-Expert states are the same with Φ_e and N = EDP = TP DP / (ETP EP) (the expert-DP group).
+Expert states are the same with Φ_e and N = EDP = TP CP DP / (ETP EP) (the expert-DP group).
 
-**Activations** (Korthikanti et al. 2022), bytes per layer per micro-batch, s sequence, b
-micro-batch, h hidden, a heads, t = TP (x2 in fp32)::
-
-    no recompute   s b h (10 + 24/t + 5 a s / (h t))     SP: s b h (34 + 5 a s / h) / t
-    selective      s b h (10 + 24/t)                     SP: 34 s b h / t
-    full           2 s b h (/t with SP) per recomputed block of --recompute-num-layers layers,
-                   plus one block's full activations while it is recomputed
-
+**Activations** per layer and micro-batch: Korthikanti et al. 2022's figures
+(:mod:`megazero.model.cp_memory`). **Context parallelism** (CP ranks): s is a rank's ``s / CP``
+tokens in every formula here; the CP attention keeps no ``a s^2`` scores but its output and
+log-sum-exp, and the ring adds its fp32 working set as a transient (:mod:`~megazero.model.cp_memory`).
 An MoE layer keeps its routed rows instead of the dense MLP's share
 (:mod:`megazero.model.expert_memory`). A pipeline rank r holds ``in_flight(r)`` chunk-activations
 (:func:`megazero.pipeline.plan.in_flight_bound`: ``min(PP - r, M)`` with 1F1B,
@@ -39,12 +35,13 @@ stage adds the embedding dropout mask ``s b h`` (/t with SP) per in-flight micro
 **Communication per step** (bytes each rank sends, ring-equivalent: all-reduce of X over n ranks
 ``2 (n-1)/n X``, reduce-scatter or all-gather ``(n-1)/n X``), as megazero issues it::
 
-    DP  stage 0: AR(g Φ)   1: RS(g Φ) + AG(p Φ)   2: M RS(g Φ) + AG(p Φ)   3: M (2 AG(p Φ) + RS(g Φ))
-    EDP the same for Φ_e over the EDP ranks
+    DP  stage 0: AR(g Φ)   1: RS(g Φ) + AG(p Φ)   2: M RS(g Φ) + AG(p Φ)   3: M (2 AG(p Φ) + RS(g Φ)),
+        over the DP x CP ranks; EDP the same for Φ_e over the EDP ranks
     TP  per micro-batch and layer 4 AR(s b h A) (6 with full recompute; SP's AG/RS pairs are equal;
         an MoE layer without a shared expert: the attention's half)
     PP  per micro-batch 2 VP s b h A (/t with SP): activations forward, gradients backward
     EP  per micro-batch and MoE layer: the dispatcher's (:mod:`megazero.model.expert_memory`)
+    CP  per micro-batch and layer: the ring's K/V (dK/dV) or the all-to-alls (:mod:`~megazero.model.cp_memory`)
 
 (A = activation bytes, 2 or 4.) A layout's figures are those of its most loaded pipeline stage
 (largest total memory). Not counted: CUDA context and allocator fragmentation, communication
@@ -54,11 +51,12 @@ largest kernels. Leave ~10-20 % of the device for them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from megazero.model.config import GPTConfig
 
+from .cp_memory import (chunk_activation_bytes, check_cp_layout, cp_attention_bytes, cp_chunk_activation_bytes,
+                        layer_activation_bytes)  # noqa: F401 (the planner's names)
 from .expert_memory import dispatch_bytes, expert_data_parallel, moe_block_params, moe_chunk_activation_bytes
 
 GiB = 2 ** 30
@@ -151,41 +149,6 @@ def model_state_bytes(phi: float, stage: int, dp: int, param_bytes: int = 2, gra
             2: p * phi + (g + k) * phi / n, 3: (p + g + k) * phi / n}[stage]
 
 
-# ---- activations ---------------------------------------------------------------------------
-def layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sp: bool = False,
-                           recompute: str | None = None) -> float:
-    """Korthikanti et al.: bytes one layer keeps for one micro-batch (2-byte activations).
-
-    ``recompute``: None, ``selective`` or ``full`` (full: only the layer input, 2 s b h).
-    """
-    sbh, t = s * b * h, tp
-    if recompute == "full":
-        return 2 * sbh / (t if sp else 1)
-    if recompute == "selective":
-        return 34 * sbh / t if sp else sbh * (10 + 24 / t)
-    if sp:
-        return sbh * (34 + 5 * a * s / h) / t
-    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-def chunk_activation_bytes(layers: int, s: int, b: int, h: int, a: int, tp: int, sp: bool,
-                           recompute: str | None, method: str | None, num_layers: int | None) -> tuple[float, float]:
-    """(kept, transient) bytes of one model chunk of ``layers`` layers for one micro-batch.
-
-    Full recompute, ``uniform``: the input of every block of ``num_layers`` layers is kept;
-    ``block``: the first ``num_layers`` layers keep only their input, the rest everything.
-    The transient is one block recomputing its full activations during the backward.
-    """
-    full = layer_activation_bytes(s, b, h, a, tp, sp)
-    if recompute != "full":
-        return layers * layer_activation_bytes(s, b, h, a, tp, sp, recompute), 0.0
-    n = max(1, min(num_layers or 1, layers))
-    stored = layer_activation_bytes(s, b, h, a, tp, sp, "full")
-    if method == "block":
-        return n * stored + (layers - n) * full, full
-    return math.ceil(layers / n) * stored, n * full
-
-
 # ---- one layout ----------------------------------------------------------------------------
 @dataclass
 class Layout:
@@ -210,10 +173,13 @@ class Layout:
     expert_params: int = 0      # the routed experts' part of ``params``
     comm_edp_bytes: float = 0.0  # expert gradients (and ZeRO gathers) over EDP
     comm_ep_bytes: float = 0.0   # the token dispatcher
+    cp: int = 1                 # context parallel (the sequence split; DP x CP share the ZeRO states)
+    comm_cp_bytes: float = 0.0   # the CP attention: the ring's K/V blocks or the all-to-alls
 
     @property
     def comm_bytes(self) -> float:
-        return self.comm_dp_bytes + self.comm_tp_bytes + self.comm_pp_bytes + self.comm_edp_bytes + self.comm_ep_bytes
+        return (self.comm_dp_bytes + self.comm_tp_bytes + self.comm_pp_bytes + self.comm_edp_bytes + self.comm_ep_bytes
+                + self.comm_cp_bytes)
 
 
 def _ar(x, n):
@@ -226,7 +192,7 @@ def _rs(x, n):
 
 @dataclass(frozen=True)
 class _Run:
-    """The settings of one estimate that the formulas share."""
+    """The settings of one estimate that the formulas share (``s``: a rank's tokens, s / CP)."""
     s: int
     b: int
     tp: int
@@ -238,15 +204,21 @@ class _Run:
     method: str | None
     num_layers: int | None
     etp: int
+    cp: int = 1
+    act_bytes: int = 2          # A (the formulas count 2-byte activations; CP's extras are real bytes)
 
 
 def _chunk_bytes(shape: GPTConfig, layers: list[int], run: _Run) -> tuple[float, float]:
-    """(kept, transient) of one chunk holding global ``layers``, MoE layers' routed rows included."""
+    """(kept, transient) of one chunk holding global ``layers``, MoE layers' routed rows and the CP
+    attention's saved tensors and working set included (2-byte units)."""
     kept, transient = chunk_activation_bytes(len(layers), run.s, run.b, shape.hidden_size, shape.num_attention_heads,
-                                             run.tp, run.sp, run.recompute, run.method, run.num_layers)
+                                             run.tp, run.sp, run.recompute, run.method, run.num_layers, run.cp == 1)
     extra = moe_chunk_activation_bytes(shape, layers, run.s, run.b, run.tp, run.sp, run.etp, run.recompute,
                                        run.method, run.num_layers)
-    return kept + extra[0], transient + extra[1]
+    cp = cp_chunk_activation_bytes(shape, len(layers), run.s, run.b, run.tp, run.cp, run.act_bytes, run.recompute,
+                                   run.method, run.num_layers)
+    units = 2 / run.act_bytes
+    return kept + extra[0] + cp[0] * units, transient + extra[1] + cp[1] * units
 
 
 def _rank_activation_bytes(shape: GPTConfig, r: int, run: _Run) -> float:
@@ -276,10 +248,10 @@ def _zero_comm(phi: float, n: int, zero: int, m: int, p: int, g: int) -> float:
 
 
 def _communication(x: Layout, shape: GPTConfig, run: _Run, A: int, param_bytes: int, grad_bytes: int) -> None:
-    """Fill ``x``'s communication per step: dense states over DP, experts' over EDP, TP (an MoE
-    layer without a shared expert has only the attention's half), PP, and the dispatcher."""
+    """Fill ``x``'s communication per step: dense states over DP x CP, experts' over EDP, TP (an MoE
+    layer without a shared expert has only the attention's half), PP, the dispatcher, CP's attention."""
     s, b, h, tp, m = run.s, run.b, shape.hidden_size, run.tp, run.m
-    x.comm_dp_bytes = _zero_comm(x.params - x.expert_params, x.dp, x.zero, m, param_bytes, grad_bytes)
+    x.comm_dp_bytes = _zero_comm(x.params - x.expert_params, x.dp * x.cp, x.zero, m, param_bytes, grad_bytes)
     x.comm_edp_bytes = _zero_comm(x.expert_params, x.edp, x.zero, m, param_bytes, grad_bytes)
     layers = stage_layers(shape, run.pp, x.stage, run.vp)
     moe_layers = sum(shape.moe.is_moe(n) for n in layers) if shape.moe is not None else 0
@@ -291,29 +263,33 @@ def _communication(x: Layout, shape: GPTConfig, run: _Run, A: int, param_bytes: 
         x.comm_pp_bytes = m * 2 * run.vp * s * b * h * A / (tp if run.sp else 1)
     if moe_layers:
         x.comm_ep_bytes = m * moe_layers * dispatch_bytes(shape, s * b / tp, x.ep, x.etp, A, run.recompute == "full")
+    x.comm_cp_bytes = m * len(layers) * cp_attention_bytes(shape, s, b, tp, run.cp, A, run.recompute == "full")
 
 
 def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_batch_size: int, micro_batches: int,
              vp: int = 1, param_bytes: int = 2, grad_bytes: int = 2, sequence_parallel: bool = False,
              recompute: str | None = None, recompute_method: str | None = None,
              recompute_num_layers: int | None = None, gpu_memory_gb: float = 80.0, ep: int = 1,
-             etp: int | None = None) -> Layout:
+             etp: int | None = None, cp: int = 1) -> Layout:
     """Memory and communication of one layout, at its most loaded pipeline stage. MoE: ``ep``
-    experts-parallel ranks, ``etp`` expert TP (None: TP); expert states over EDP = TP DP / (ETP EP)."""
+    experts-parallel ranks, ``etp`` expert TP (None: TP); expert states over EDP = TP CP DP / (ETP EP).
+    ``cp``: context-parallel ranks (``shape.cp_comm_type``), ``dp`` excluding them; ``ValueError``
+    unless they can split the sequence (:func:`~megazero.model.cp_memory.check_cp_layout`)."""
+    check_cp_layout(shape, cp, tp, sequence_parallel)
     etp = tp if etp is None else etp
-    edp = expert_data_parallel(tp, dp, ep, etp)
-    run = _Run(shape.seq_length, micro_batch_size, tp, pp, vp, micro_batches, sequence_parallel and tp > 1,
-               recompute, recompute_method, recompute_num_layers, etp)
+    edp = expert_data_parallel(tp, dp, ep, etp, cp)
     act_scale = 2 if param_bytes == 4 else 1  # the formulas count 2-byte activations
+    run = _Run(shape.seq_length // cp, micro_batch_size, tp, pp, vp, micro_batches, sequence_parallel and tp > 1,
+               recompute, recompute_method, recompute_num_layers, etp, cp, 2 * act_scale)
     best = None
     for r in range(pp):
         dense, expert = stage_param_split(shape, tp, pp, r, vp, ep, etp)
-        states = (model_state_bytes(dense, zero, dp, param_bytes, grad_bytes)
+        states = (model_state_bytes(dense, zero, dp * cp, param_bytes, grad_bytes)
                   + model_state_bytes(expert, zero, edp, param_bytes, grad_bytes))
         act = _rank_activation_bytes(shape, r, run) * act_scale
         if best is None or states + act > best.total_bytes:
             best = Layout(tp, pp, dp, zero, vp, micro_batches, r, dense + expert, states, act, states + act,
-                          ep=ep, etp=etp, edp=edp, expert_params=expert)
-    _communication(best, shape, run, 2 * act_scale, param_bytes, grad_bytes)
+                          ep=ep, etp=etp, edp=edp, expert_params=expert, cp=cp)
+    _communication(best, shape, run, run.act_bytes, param_bytes, grad_bytes)
     best.fits = best.total_bytes <= gpu_memory_gb * GiB
     return best

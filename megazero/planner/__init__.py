@@ -16,16 +16,25 @@ when interleaved). Without it, M = 4 PP (enough to fill the pipeline).
 A Mixture-of-Experts model (``--num-experts`` and the ``--moe-*`` flags) adds the expert grid:
 EP (``--expert-model-parallel-size`` fixes it, else every EP dividing the experts) and expert TP
 (``--expert-tensor-parallel-size``, default TP), with ETP x EP dividing a stage's TP x DP ranks;
-expert states are partitioned over EDP = TP DP / (ETP EP).
+expert states are partitioned over EDP = TP CP DP / (ETP EP).
+
+Context parallelism (``--context-parallel-size`` fixes CP, default 1; ``--try-context-parallel``
+tries every CP dividing world / (TP PP)) splits each sequence over CP ranks with
+``--cp-comm-type`` p2p (ring) or a2a (Ulysses): DP = world / (TP CP PP), the sequence in 2 CP
+chunks (p2p) or CP (a2a), x TP with SP, and with a2a the heads and query groups per TP rank
+divisible by CP; ZeRO partitions over DP x CP.
 
 The formulas (parameters, ZeRO model states, activations, communication per step) are
-:mod:`megazero.model.memory`'s and, for the experts, :mod:`megazero.model.expert_memory`'s,
-which the flags' checks use too.
+:mod:`megazero.model.memory`'s and, for the experts and CP, :mod:`megazero.model.expert_memory`'s
+and :mod:`megazero.model.cp_memory`'s, which the flags' checks use too.
 """
 
 from __future__ import annotations
 
 from megazero.model.config import GPTConfig
+from megazero.model.cp_memory import (check_cp_layout, cp_attention_bytes, cp_attention_kept_bytes,  # noqa: F401
+                                      cp_chunk_activation_bytes, cp_valid, ring_bytes, ring_transient_bytes,
+                                      ulysses_bytes)
 from megazero.model.expert_memory import (dispatch_bytes, dispatch_rows_per_direction,  # noqa: F401
                                           expert_data_parallel, moe_activation_delta, moe_block_params,
                                           routed_rows)
@@ -39,25 +48,22 @@ def divisors(n: int) -> list[int]:
 
 
 def expert_layouts(shape: GPTConfig, tp: int, dp: int, ep: int | None = None,
-                   etp: int | None = None) -> list[tuple[int, int]]:
-    """The (EP, ETP) pairs a (TP, DP) stage can take: EP divides the experts, ETP (default TP)
-    divides the expert FFN size, and ETP x EP divides the stage's TP x DP ranks (Megatron's expert
-    grid). A dense model: ``[(1, TP)]``."""
+                   etp: int | None = None, cp: int = 1) -> list[tuple[int, int]]:
+    """The (EP, ETP) pairs a (TP, CP, DP) stage can take: EP divides the experts, ETP (default TP)
+    divides the expert FFN size, and ETP x EP divides the stage's TP x CP x DP ranks (Megatron's
+    expert grid). A dense model: ``[(1, TP)]``."""
     if shape.moe is None:
         return [(1, tp)]
     E, e_tp = shape.moe.num_experts, etp or tp
     if shape.moe.ffn_hidden_size % e_tp:
         return []
-    return [(e, e_tp) for e in ([ep] if ep else divisors(E)) if not E % e and not (tp * dp) % (e_tp * e)]
+    return [(e, e_tp) for e in ([ep] if ep else divisors(E)) if not E % e and not (tp * cp * dp) % (e_tp * e)]
 
 
-def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
-         tp: int | None = None, pp: int | None = None, zero: int | None = None, max_tp: int = 8,
-         layers_per_virtual_stage: int | None = None, ep: int | None = None, etp: int | None = None,
-         **kw) -> list[Layout]:
-    """Every valid layout, sorted by per-GPU memory (then communication). An MoE model's layouts
-    also range over EP (``ep`` fixes it) with expert TP ``etp`` (default TP): :func:`expert_layouts`."""
-    out = []
+def pipelines(shape: GPTConfig, world_size: int, tp: int | None = None, pp: int | None = None, max_tp: int = 8,
+              layers_per_virtual_stage: int | None = None):
+    """The valid (TP, PP, VP) triples: TP divides the heads and query groups (at most ``max_tp``),
+    PP the layers (PP x ``layers_per_virtual_stage`` with interleaving, VP = L / that), TP PP the world."""
     for t in ([tp] if tp else divisors(world_size)):
         if t > max_tp or shape.num_attention_heads % t or shape.num_query_groups % t:
             continue
@@ -69,20 +75,42 @@ def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_bat
                 if shape.num_layers % (p * layers_per_virtual_stage):
                     continue
                 v = shape.num_layers // (p * layers_per_virtual_stage)
-            n = world_size // (t * p)
-            if global_batch_size:
-                if global_batch_size % (micro_batch_size * n):
-                    continue
-                m = global_batch_size // (micro_batch_size * n)
-                if v > 1 and m % p:
-                    continue
-            else:
-                m = 4 * p
-            # With DP = 1 every ZeRO stage is stage 0: list it once unless a stage was asked for.
-            for e, e_tp in expert_layouts(shape, t, n, ep, etp):
-                for z in ([zero] if zero is not None else [0, 1, 2, 3] if n > 1 else [0]):
+            yield t, p, v
+
+
+def micro_batches(global_batch_size: int | None, micro_batch_size: int, dp: int, pp: int, vp: int) -> int | None:
+    """M = GBS / (mbs DP) per DP rank (CP ranks share their samples), None unless whole (and a multiple
+    of PP when interleaved); 4 PP without a global batch."""
+    if not global_batch_size:
+        return 4 * pp
+    if global_batch_size % (micro_batch_size * dp):
+        return None
+    m = global_batch_size // (micro_batch_size * dp)
+    return None if vp > 1 and m % pp else m
+
+
+def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
+         tp: int | None = None, pp: int | None = None, zero: int | None = None, max_tp: int = 8,
+         layers_per_virtual_stage: int | None = None, ep: int | None = None, etp: int | None = None,
+         cp: int | None = 1, **kw) -> list[Layout]:
+    """Every valid layout, sorted by per-GPU memory (then communication). An MoE model's layouts
+    also range over EP (``ep`` fixes it) with expert TP ``etp`` (default TP): :func:`expert_layouts`.
+    ``cp``: context-parallel ranks (default 1); None tries every CP dividing world / (TP PP) that can
+    split the sequence (:func:`~megazero.model.cp_memory.cp_valid`, ``shape.cp_comm_type``)."""
+    out, sp = [], kw.get("sequence_parallel", False)
+    for t, p, v in pipelines(shape, world_size, tp, pp, max_tp, layers_per_virtual_stage):
+        for c in ([cp] if cp else divisors(world_size // (t * p))):
+            if world_size % (t * p * c) or not cp_valid(shape, c, t, sp):
+                continue
+            n = world_size // (t * p * c)
+            m = micro_batches(global_batch_size, micro_batch_size, n, p, v)
+            if m is None:
+                continue
+            # With DP x CP = 1 every ZeRO stage is stage 0: list it once unless a stage was asked for.
+            for e, e_tp in expert_layouts(shape, t, n, ep, etp, c):
+                for z in ([zero] if zero is not None else [0, 1, 2, 3] if n * c > 1 else [0]):
                     out.append(estimate(shape, t, p, n, z, micro_batch_size=micro_batch_size, micro_batches=m,
-                                        vp=v, ep=e, etp=e_tp, **kw))
+                                        vp=v, ep=e, etp=e_tp, cp=c, **kw))
     return sorted(out, key=lambda x: (x.total_bytes, x.comm_bytes))
 
 
