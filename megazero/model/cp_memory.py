@@ -26,18 +26,17 @@ bytes)::
     p2p   4 b (a/t) s' (d + 1)      the fp32 output o and log-sum-exp (RingAttention's accumulators)
     a2a   b (a/t) s' (A d + 4)      SDPA's output and fp32 log-sum-exp
 
-The ring's backward works on one layer at a time in fp32 with sub-blocks of ``L = s' / 2`` rows
-(2 CP chunks): about 5 score-sized ``[b, a/t, L, L]`` blocks (S, the masked S, P, ``dO V^T - D``,
-dS) and 10 ``[b, a/t, s', d]`` tensors (dQ, the dK/dV riding the ring and the received ones, the
-expanded K/V and their block gradients, fp32 copies of Q and dO) -- a transient
-(:func:`ring_transient_bytes`)::
+The ring's backward works on one layer at a time in fp32 -- a transient
+(:func:`ring_transient_bytes`): about 12 ``[b, a/t, s', d]`` tensors (fp32 dQ, dO and Q, the
+expanded K/V and their block gradients, dK/dV riding the ring and the received ones, the next
+K/V) and at most two score tiles: the ring computes scores in query-row tiles of at most
+``T = 2^22`` elements (``TILE_ELEMS``; one query row of a ``L = s' / 2`` chunk at least)::
 
-    4 b (a/t) (5 L^2 + 10 s' d)
+    4 b (a/t) s' d 12 + 2 x 4 b (a/t) L r,    r = max(1, min(L, T // (b (a/t) L))) rows per tile
 
-(measured on CPU with a one-process ring: 5.1-5.4 blocks where blocks dominate, 7-12 of the
-other tensors). It grows as ``s'^2``: at long sequences the ring's working set, not its kept
-activations, sets CP's memory gain. With full recompute the saved terms live only in the block
-being recomputed.
+(measured on CPU with a one-process ring: 9 (fp32) to 12 (bf16) such tensors with MHA, fewer
+with GQA, and up to two tiles; the forward holds less). With full recompute the saved terms
+live only in the block being recomputed.
 
 **Model states**: CP ranks hold the same parameters and reduce their gradients together, so
 ZeRO partitions the dense states over DP x CP and the experts' over EDP = TP CP DP / (ETP EP).
@@ -46,8 +45,8 @@ ZeRO partitions the dense states over DP x CP and the experts' over EDP = TP CP 
 micro-batch, ``B = b (G/t) s' d`` elements (one rank's K or V; ``G`` query groups, ``H`` heads)::
 
     p2p   forward   (CP - 1) 2 B A                   CP - 1 ring steps of (K, V)
-          backward  CP B (2 A + 2 x 4)               CP steps of (K, V, dK, dV), dK/dV in fp32 (the
-                                                     last step brings dK, dV home; K, V ride along)
+          backward  (CP - 1) 2 B A + CP 2 B 4        K, V ahead again (CP - 1 steps); the fp32 dK, dV
+                                                     follow their block, CP steps (the last one home)
     a2a   forward   (CP - 1)/CP b s' d (2H + 2G)/t A  all-to-alls of q, k, v and the output
           backward  the same                         their inverses on the gradients
 
@@ -61,8 +60,9 @@ import math
 
 from .config import GPTConfig, replace_config
 
-ACC_BYTES = 4                      # the ring's accumulation dtype: fp32
-RING_SCORE_BLOCKS, RING_ROWS = 5, 10  # fp32 tensors the ring's backward holds at once (module doc)
+ACC_BYTES = 4        # the ring's accumulation dtype: fp32
+RING_ROWS = 12       # fp32 [b, a/t, s', d] tensors the ring's backward holds at once (module doc)
+RING_TILES, TILE_ELEMS = 2, 1 << 22  # score tiles alive at once, elements per tile (context_parallel's)
 
 
 # ---- per-layer activations -----------------------------------------------------------------
@@ -130,9 +130,11 @@ def cp_attention_kept_bytes(shape: GPTConfig, s_local: int, b: int, tp: int, cp:
 
 
 def ring_transient_bytes(shape: GPTConfig, s_local: int, b: int, tp: int) -> float:
-    """The ring's backward working set for one layer: ``4 b (a/t) (5 L^2 + 10 s' d)``, ``L = s'/2``."""
-    L, heads = s_local / 2, b * shape.num_attention_heads // tp
-    return ACC_BYTES * heads * (RING_SCORE_BLOCKS * L * L + RING_ROWS * s_local * shape.kv_channels)
+    """The ring's backward working set for one layer (module doc): 12 fp32 ``[b, a/t, s', d]``
+    tensors and two score tiles of at most ``TILE_ELEMS`` elements (one query row at least)."""
+    L, heads = s_local // 2, b * shape.num_attention_heads // tp
+    tile = heads * L * max(1, min(L, TILE_ELEMS // (heads * L)))  # query rows per tile x L keys
+    return ACC_BYTES * (RING_ROWS * heads * s_local * shape.kv_channels + RING_TILES * tile)
 
 
 def cp_chunk_activation_bytes(shape: GPTConfig, layers: int, s_local: int, b: int, tp: int, cp: int,
@@ -157,8 +159,8 @@ def ring_bytes(shape: GPTConfig, s_local: int, b: int, tp: int, cp: int, act_byt
                recompute_full: bool = False) -> float:
     """Bytes one rank sends in the ring attention for one layer and micro-batch (module doc)."""
     block = b * shape.num_query_groups // tp * s_local * shape.kv_channels
-    forward = (cp - 1) * 2 * block * act_bytes
-    return forward * (2 if recompute_full else 1) + cp * block * (2 * act_bytes + 2 * ACC_BYTES)
+    kv = (cp - 1) * 2 * block * act_bytes  # forward, again in backward (and in a recompute)
+    return kv * (3 if recompute_full else 2) + cp * 2 * block * ACC_BYTES
 
 
 def ulysses_bytes(shape: GPTConfig, s_local: int, b: int, tp: int, cp: int, act_bytes: int = 2,

@@ -8,6 +8,7 @@ import ast
 import json
 from dataclasses import asdict
 
+from megazero.config.cp_flags import CP_COMM_TYPES, NOT_AVAILABLE
 from megazero.config.model import gpt_config
 
 from . import GiB, Layout, active_params, plan, total_params
@@ -61,9 +62,14 @@ def with_moe_flags(args) -> argparse.Namespace:
 def context_parallel(args, parser) -> int | None:
     """The CP size to plan (None: try every one) with ``args.cp_comm_type`` made one string (Megatron
     takes one per layer; megazero runs one kind); refuses what CP cannot run."""
-    kinds = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type or "p2p"]
-    if len(set(kinds)) != 1:
-        parser.error(f"--cp-comm-type {' '.join(kinds)}: megazero runs one kind of CP attention in every layer")
+    kinds = list(dict.fromkeys(args.cp_comm_type if isinstance(args.cp_comm_type, list) else
+                               [args.cp_comm_type or "p2p"]))
+    for kind in kinds:
+        if kind not in CP_COMM_TYPES:
+            why = NOT_AVAILABLE.get(kind, "megazero has " + ", ".join(CP_COMM_TYPES))
+            parser.error(f"--cp-comm-type {kind}: {why}")
+    if len(kinds) != 1:
+        parser.error(f"--cp-comm-type {' '.join(kinds)}: one type per layer is not available; give one for all layers")
     args.cp_comm_type = kinds[0]
     cp = args.context_parallel_size or 1
     if args.try_context_parallel and cp > 1:
