@@ -113,6 +113,7 @@ def check_cp_layout(shape: GPTConfig, cp: int, tp: int, sp: bool = False) -> Non
 
 
 def cp_valid(shape: GPTConfig, cp: int, tp: int, sp: bool = False) -> bool:
+    """Whether :func:`check_cp_layout` passes (the planner skips the layouts where it does not)."""
     try:
         check_cp_layout(shape, cp, tp, sp)
     except ValueError:
