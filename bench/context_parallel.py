@@ -21,14 +21,14 @@ mapping, unmapped on free, so the resident set follows what is alive), runs ``--
 that peak minus the resident set before: what a step adds on top of the model and optimizer
 states (activations, their gradients, the attention's temporaries). A second phase runs one
 attention call alone (one layer's ``q, k, v``; its forward's peak, then its backward's) the same way; for the ring
-it is also given in fp32 score blocks ``b H L^2 4`` bytes, ``L = s / 2CP``: the ring forms the
-scores of each (query chunk, key chunk) pair explicitly. The largest rank's figures are shown.
+it is also given in fp32 score blocks ``b H L^2 4`` bytes, ``L = s / 2CP`` (the ring forms its
+scores in query-row tiles, at most two alive). The largest rank's figures are shown.
 
 Communication: each rank wraps ``torch.distributed.batch_isend_irecv`` (the ring's exchanges)
 and ``all_to_all_single`` (Ulysses') in its own process and adds up the bytes it sends to other
-ranks; megazero is not touched. An exchange of 2 tensors is a forward ring step (K, V), of 4 a
-backward one (K, V, dK, dV). Formulas per rank, layer and micro-batch, ``B = b G (s/CP) d 4``
-bytes (one rank's K or V): ring forward ``(CP-1) 2B``, backward ``CP 4B``; Ulysses forward and
+ranks; megazero is not touched. Formulas per rank, layer and micro-batch, ``B = b G (s/CP) d 4``
+bytes (one rank's K or V): ring forward ``(CP-1) 2B``, backward ``(CP-1) 2B`` (K, V ahead) plus
+``CP 2B`` (fp32 dK, dV following their block home), counted together; Ulysses forward and
 backward each ``(CP-1)/CP (2 H + 2 G) b (s/CP) d 4`` (q, k, v and the output, or their gradients).
 
 Time: the median over ``--iters`` steps of the slowest rank's wall time (each step starts at a

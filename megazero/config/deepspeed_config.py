@@ -251,7 +251,10 @@ def planned_memory(args) -> str:
                               micro_batches=micro_batches, vp=args.num_layers // (pp * per_vp) if per_vp else 1,
                               param_bytes=2 if half else 4, grad_bytes=2 if half and not fp32_grads else 4,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute_granularity,
-                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+                              recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                              ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                              etp=getattr(args, "expert_tensor_parallel_size", None),
+                              cp=getattr(args, "context_parallel_size", 1))
     gib = 2.0 ** 30
     return (f"ZeRO stage {args.zero_stage} at DP {dp} (TP {tp}, PP {pp}) needs {layout.total_bytes / gib:.2f} GiB "
             f"per rank (model states {layout.model_state_bytes / gib:.2f} + activations "

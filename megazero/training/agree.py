@@ -9,16 +9,17 @@ slot    this rank's contribution                                                
 ======  ==========================================================================  =========
 0       sum of squared unscaled gradients (``ZeroOptimizer.grad_partials``)         = |g|^2
 (1)     zeros in the gradients (``--log-num-zeros-in-grad``, when logged)          = zeros
-+0      loss sum of this log interval's earlier applied iterations (device-side)    x DP
-+1      this iteration's loss (mean over its micro-batches)                         x DP
-+2      1 (the ranks holding the loss: last pipeline stage, TP rank 0), else 0      = DP
++0      loss sum of this log interval's earlier applied iterations (device-side)    x DP CP
++1      this iteration's loss (mean over its micro-batches)                         x DP CP
++2      1 (the ranks holding the loss: last pipeline stage, TP rank 0), else 0      = DP CP
 +3      1 if this iteration's loss is inf/NaN                                       > 0: any
 +4, +5  the exit signal and ``--exit-duration-in-mins`` flags                        > 0: any
 +6      1 while this rank's ``--async-save`` write is still in flight                 > 0: any
 +7...   ``extra`` (the MoE metrics, :mod:`.moe_log`), when given                       summed
 ======  ==========================================================================  =========
 
-The loss slots are divided by slot +2 (the DP size) on the host: the DP mean, as Megatron's
+The loss slots are divided by slot +2 (DP x CP: each CP rank's loss is CP times its share of the
+sequence's token mean) on the host: the DP mean, as Megatron's
 ``average_losses_across_data_parallel_group``. When nothing but the norm is needed (no log or
 TensorBoard line due, no exit flags, no checkpoint being written) only the norm partial is
 reduced, over the optimizer's ``norm_group``; at ZeRO 0 with TP = PP = 1 that group has one rank
