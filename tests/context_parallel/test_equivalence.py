@@ -106,15 +106,18 @@ def test_cp4_ring():
     _check(4, dict(cp=4), stages=(1,))
 
 
-def test_cp2_tp2_sp():
-    _check(4, dict(cp=2, tp=2), stages=(3,), sequence_parallel=True)
+def test_cp2_tp2_sp_dp2_zero3():
+    """CP 2 x TP 2 (SP) x DP 2 on 8 ranks, ZeRO 3 partitioned over the 4 DP x CP ranks."""
+    _check(8, dict(cp=2, tp=2), stages=(3,), sequence_parallel=True)
 
 
 def test_cp2_dp2_zero3():
     _check(4, dict(cp=2), stages=(3,), cp_comm_type="a2a")
 
 
-def test_cp2_pp2_vp2():
+def test_cp2_pp2_vp2_dp2_zero3():
+    """Interleaved 1F1B (PP 2 x VP 2) x CP 2 x DP 2 on 8 ranks at ZeRO 3, and at ZeRO 1 on 4."""
+    _check(8, dict(cp=2, pp=2, vp=2), stages=(3,))
     _check(4, dict(cp=2, pp=2, vp=2), stages=(1,))
 
 

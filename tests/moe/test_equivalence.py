@@ -109,3 +109,10 @@ def test_context_parallel_cp2_ep2(comm):
 def test_five_d_tp2_cp2_ep2_pp2():
     """TP 2 (SP) x CP 2 x EP 2 x PP 2 on 8 ranks (EP from the DP x CP ranks), ZeRO 3."""
     _check(8, dict(tp=2, cp=2, ep=2, pp=2), stages=(3,), sequence_parallel=True)
+
+
+def test_fp16_params_with_loss_scaling():
+    """fp16 weights, a static loss scale of 128 (the aux losses' gradient scaled alike), fp32
+    masters: within fp16 rounding of the fp32 single process."""
+    _check(4, dict(ep=2), stages=(1,), loss_tol=3e-2, param_tol=None, params_dtype=torch.float16,
+           opt=dict(params_dtype=torch.float16, fp16=True, loss_scale=128.0))
