@@ -42,29 +42,17 @@ import argparse
 import collections
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rss import peak_since_reset, reset_peak, rss_now  # noqa: E402
 
 MB = 2 ** 20
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_since_reset() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def count_comm(counts: collections.Counter) -> None:
@@ -138,18 +126,18 @@ def _attention_peak(o, seq: int, comm: str, topo) -> tuple[int, int]:
     q, k, v = (torch.randn(1, n, seq // cp, d, generator=g).requires_grad_() for n in (o.heads, groups, groups))
     do = torch.randn(1, o.heads, seq // cp, d, generator=g)
     for _ in range(2):
-        before = _rss_now()
-        _reset_peak()
+        before = rss_now()
+        reset_peak()
         if cp == 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups != o.heads)
         elif comm == "p2p":
             out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"])
         else:
             out = ulysses_attention(q, k, v, topo.group("cp"), cp, enable_gqa=groups != o.heads)
-        fwd = _peak_since_reset() - before
-        _reset_peak()
+        fwd = peak_since_reset() - before
+        reset_peak()
         out.backward(do)
-        peak = (fwd, _peak_since_reset() - before)
+        peak = (fwd, peak_since_reset() - before)
         del out
         q.grad = k.grad = v.grad = None
     return peak
@@ -168,8 +156,8 @@ def _rank(rank, world, o, seq, comm):
     for _ in range(o.warmup):
         step()
     counts.clear()
-    before = _rss_now()
-    _reset_peak()
+    before = rss_now()
+    reset_peak()
     wall, cpu = [], []
     for _ in range(o.iters):
         dist.barrier()
@@ -177,7 +165,7 @@ def _rank(rank, world, o, seq, comm):
         step()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    peak = _peak_since_reset() - before
+    peak = peak_since_reset() - before
     sent = {k: v / o.iters for k, v in counts.items()}
     dist.barrier()
     return {"step_peak": peak, "resident": before, "wall": wall, "cpu": cpu, "sent": sent,

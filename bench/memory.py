@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -46,26 +45,19 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rss import peak_since_reset, reset_peak, rss_now  # noqa: E402
 
 GB = 1e9
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_now() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @contextlib.contextmanager
 def _phase(peaks: dict, name: str):
-    _reset_peak()
+    reset_peak()
     t0 = time.time()
     yield
-    peaks[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks[name] = peak_since_reset()
     peaks[name + "_s"] = time.time() - t0
 
 
@@ -100,7 +92,7 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     from megazero.training.build import build_configs
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero.host_memory import return_freed_memory
-    peaks = {"interpreter": _rss_now()}
+    peaks = {"interpreter": rss_now()}
     if mmap_threshold:  # before anything large is allocated (megazero.zero.host_memory)
         return_freed_memory(mmap_threshold)
     args = parse_args(argv, world_size=world)

@@ -39,6 +39,7 @@ from megazero.tensor_parallel.mappings import group_size
 
 from .moe_dispatch import allgather_dispatch, alltoall_dispatch
 from .moe_router import Router
+from .transformer import MLP, activate
 
 METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
@@ -122,13 +123,7 @@ class ExpertMLP(nn.Module):
                                 params_dtype=config.params_dtype, device=device)
 
     def forward(self, x):
-        y = self.fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.fc2(y)
+        return self.fc2(activate(self.fc1(x), self.activation))
 
 
 class SharedExpertGate(nn.Module):
@@ -153,7 +148,6 @@ class MoELayer(nn.Module):
 
     def __init__(self, config, layer_number: int, topo, tracker, state: MoEState, device, buffer_device):
         super().__init__()
-        from .transformer import MLP  # the dense MLP doubles as the shared expert
         moe = config.moe
         self.moe, self.tracker, self.layer_number = moe, tracker, layer_number
         self.tp_group = topo.tp_group if topo is not None else None

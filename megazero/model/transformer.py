@@ -168,6 +168,15 @@ class Attention(nn.Module):
         return self.dense(ctx)
 
 
+def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP's nonlinearity on fc1's output: ``silu(gate) * up`` for SwiGLU (``y = [gate; up]``
+    on the last dim), exact or tanh GELU otherwise."""
+    if activation == "swiglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 class MLP(nn.Module):
     """``fc2(act(fc1 x))`` over TP; ``ffn_hidden_size``/``key`` default to the layer's dense MLP
     (the MoE shared expert passes its own)."""
@@ -191,13 +200,7 @@ class MLP(nn.Module):
                                      params_dtype=config.params_dtype, device=device)
 
     def forward(self, x):
-        y = self.fc1(x)
-        if self.activation == "swiglu":
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.fc2(y)
+        return self.fc2(activate(self.fc1(x), self.activation))
 
 
 class TransformerLayer(nn.Module):
