@@ -54,12 +54,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="checkpoint folder (holds latest_checkpointed_iteration.txt)")
-    p.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the latest)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE: ranks the experts are spread over")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="MoE: ranks each expert's weights are split over (default: TP)")
+    add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a text file, one prompt per line")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
@@ -70,18 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
-    p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16", "saved"], default="fp32",
-                   help="weights' dtype for generation (default fp32: fastest on CPU)")
-    p.add_argument("--tokenizer-type", default=None,
-                   help="override the checkpoint's recorded tokenizer (Megatron's names, as pretrain_gpt.py)")
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocabulary (default: the model's); prompts are then ids, e.g. '5 17 3'")
-    p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
-    p.add_argument("--debug", action="store_true", help="print the traceback of a failure (also MEGAZERO_DEBUG=1)")
     args = p.parse_args(argv)
     _check_values(p, args)
     sampling = any(v is not None for v in (args.temperature, args.top_k, args.top_p))
@@ -100,6 +83,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.prompt:
         p.error("give --prompt and/or --prompt-file")
     return args
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint, parallel layout, dtype and tokenizer flags (shared with
+    ``run_text_generation_server.py``)."""
+    p.add_argument("--load", required=True, help="checkpoint folder (holds latest_checkpointed_iteration.txt)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the latest)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE: ranks the experts are spread over")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE: ranks each expert's weights are split over (default: TP)")
+    p.add_argument("--params-dtype", choices=["fp32", "bf16", "fp16", "saved"], default="fp32",
+                   help="weights' dtype for generation (default fp32: fastest on CPU)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="override the checkpoint's recorded tokenizer (Megatron's names, as pretrain_gpt.py)")
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary (default: the model's); prompts are then ids, e.g. '5 17 3'")
+    p.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
+    p.add_argument("--debug", action="store_true", help="print the traceback of a failure (also MEGAZERO_DEBUG=1)")
 
 
 def _check_values(p: argparse.ArgumentParser, args) -> None:
@@ -210,20 +216,19 @@ def main(argv=None) -> list[str]:
         raise SystemExit(f"generate.py: error: {e if plain else describe(e)}") from None
 
 
-def run(args) -> list[str]:
-    """Generation for parsed ``args`` (see :func:`main`)."""
+def load_for_generation(args):
+    """(topo, model, tokenizer, agree group): join the ranks, load ``--load`` at this TP size and
+    build its tokenizer; rank 0 prints what was loaded. Shared with the REST server."""
     topo, device = build_topology(args.tensor_model_parallel_size, args.distributed_backend,
                                   args.expert_model_parallel_size, args.expert_tensor_parallel_size)
     agree = dist.group.WORLD if topo is not None and topo.world_size > topo.tp else None  # EP: every rank
-    rank0 = topo is None or topo.rank == 0
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
     check_load(args.load, args.iteration)
     model, reader = load_model(args.load, topo, device, args.iteration, args.params_dtype)
     tok = build_tokenizer_from(reader.args, args, args.load)
-    eod = getattr(tok, "eod", None)
-    if rank0:
+    if topo is None or topo.rank == 0:
         c, lay = model.config, reader.layout
         print(f"> loaded {args.load} iteration {reader.iteration} (trained with TP "
               f"{lay.get('tensor_model_parallel_size')} PP {lay.get('pipeline_model_parallel_size')} "
@@ -232,6 +237,21 @@ def run(args) -> list[str]:
               f"{f' EP {args.expert_model_parallel_size}' if args.expert_model_parallel_size > 1 else ''}, "
               f"{c.params_dtype}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
+    return topo, model, tok, agree
+
+
+def completion_text(tok, prompt_ids: list[int], row: list[int], eod) -> tuple[str, str]:
+    """(prompt + completion, completion) text of a generated ``row`` (its final eod dropped)."""
+    body = row[:-1] if row and row[-1] == eod else row
+    full, head = tok.detokenize(prompt_ids + body), tok.detokenize(prompt_ids)
+    return full, (full[len(head):] if full.startswith(head) else tok.detokenize(body))
+
+
+def run(args) -> list[str]:
+    """Generation for parsed ``args`` (see :func:`main`)."""
+    topo, model, tok, agree = load_for_generation(args)
+    rank0 = topo is None or topo.rank == 0
+    eod = getattr(tok, "eod", None)
     completions, new_tokens, seconds = [], 0, 0.0
     for start in range(0, len(args.prompt), args.batch_size):
         texts = args.prompt[start:start + args.batch_size]
@@ -243,9 +263,8 @@ def run(args) -> list[str]:
         new_tokens += res.new_tokens
         seconds += res.prefill_s + res.decode_s
         for text, prompt_ids, row in zip(texts, ids, res.tokens):
-            body = row[:-1] if row and row[-1] == eod else row
-            full, head = tok.detokenize(prompt_ids + body), tok.detokenize(prompt_ids)
-            completions.append(full[len(head):] if full.startswith(head) else tok.detokenize(body))
+            full, completion = completion_text(tok, prompt_ids, row, eod)
+            completions.append(completion)
             if rank0:
                 end = " <eod>" if row and row[-1] == eod else ""
                 print(f"\n>>> {text}\n{full}{end}", flush=True)
