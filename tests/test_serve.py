@@ -57,7 +57,9 @@ def start(ckpt, tp, *extra):
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                assert json.loads(r.read())["status"] == "ok"
+                health = json.loads(r.read())
+                assert health["status"] == "ok"
+                proc.rank0_pid = health["pid"]
                 return proc, port
         except (urllib.error.URLError, ConnectionError):
             if proc.poll() is not None:
@@ -68,7 +70,9 @@ def start(ckpt, tp, *extra):
 
 
 def stop(proc):
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM rank 0 (torchrun would turn its own SIGTERM into a failure): it drains and tells
+    the other ranks to stop."""
+    os.kill(proc.rank0_pid, signal.SIGTERM)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     return out
@@ -96,6 +100,9 @@ def _checks(port, reference):
         for i in range(8)]
     [t.start() for t in threads]
     [t.join() for t in threads]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        health = json.loads(r.read())
+    assert health["batches"] < health["requests"], f"no concurrent requests were batched: {health}"
     for i in range(8):
         status, body = results[i]
         assert status == 200, body

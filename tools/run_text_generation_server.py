@@ -66,6 +66,7 @@ class Server:
         self.batcher = Batcher(args.max_queue, args.max_batch_size, args.batch_wait_ms / 1000)
         self.stopping = threading.Event()
         self.httpd = None
+        self.stats = {"requests": 0, "batches": 0}
 
     def handle(self, body: bytes) -> tuple[int, dict]:
         """(status, JSON body) of one ``PUT /api``; blocks until its batch has run."""
@@ -116,6 +117,8 @@ class Server:
                 self.finish(jobs, None, None, f"generation failed: {e}")
                 continue
             self.finish(jobs, rows, lps)
+            self.stats["batches"] += 1
+            self.stats["requests"] += len(jobs)
         follow({"op": "stop"})
 
 
@@ -141,7 +144,8 @@ def make_handler(server: Server):
             self.reply(503 if server.stopping.is_set() else 200,
                        {"status": "draining" if server.stopping.is_set() else "ok", "queued": len(server.batcher),
                         "tensor_model_parallel_size": server.args.tensor_model_parallel_size,
-                        "max_position_embeddings": server.model.config.max_position_embeddings})
+                        "max_position_embeddings": server.model.config.max_position_embeddings,
+                        "pid": os.getpid(), **server.stats})  # rank 0's: SIGTERM it to drain (under torchrun too)
 
         def do_PUT(self):
             if self.path.rstrip("/") != "/api":
