@@ -120,6 +120,7 @@ class Server:
             self.stats["batches"] += 1
             self.stats["requests"] += len(jobs)
         follow({"op": "stop"})
+        self.batcher.close("server is shutting down")  # a request that slipped in after the last batch
 
 
 def make_handler(server: Server):
@@ -162,7 +163,7 @@ def make_handler(server: Server):
                     got.cancelled = True
                     return
             if got.error is not None:
-                return self.reply(500, {"message": got.error})
+                return self.reply(503 if server.stopping.is_set() else 500, {"message": got.error})
             self.reply(200, got.response)
 
         do_POST = do_PUT  # Megatron's clients PUT; POST is accepted as well

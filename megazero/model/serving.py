@@ -201,6 +201,15 @@ class Batcher:
             return batch
 
 
+    def close(self, message: str) -> None:
+        """Fail every job still queued with ``message`` (at shutdown, so no handler waits forever)."""
+        with self._cv:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.error = message
+            job.done.set()
+
+
 def batch_work(jobs: list[Job]) -> dict:
     """What every rank needs to run ``jobs`` as one batch (a picklable dict, broadcast from rank 0)."""
     r = jobs[0].request
