@@ -4,6 +4,7 @@ tools/generate.py's, Megatron's 400 messages, concurrent requests batched, SIGTE
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -179,3 +180,33 @@ def test_batcher_groups_bounds_and_drops_cancelled():
     first = b.submit(req())
     threading.Timer(0.05, lambda: b.submit(req())).start()
     assert len(b.next_batch(0.01)) == 2 and first is not None and time.monotonic() - t0 < 1.0
+
+
+def test_queue_bound_disconnect_and_sigterm_drain(ckpt):
+    """Requests wait 3 s for company: a client that hangs up frees its slot, a full queue answers
+    503, SIGTERM answers what is queued, refuses what comes after, and exits 0."""
+    proc, port = start(ckpt, 1, "--batch-wait-ms", "3000", "--max-queue", "2")
+    try:
+        body = json.dumps({"prompts": ["1 2"], "tokens_to_generate": 3, "top_k": 1}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:  # sends, then hangs up
+            s.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, put(port, {
+            "prompts": [PROMPTS[i]], "tokens_to_generate": 3, "top_k": 1}))) for i in range(2)]
+        [t.start() for t in threads]
+        time.sleep(0.5)
+        status, body = put(port, {"prompts": ["1"], "tokens_to_generate": 2, "top_k": 1})
+        assert status == 503 and body["message"].startswith("server busy"), body
+        os.kill(proc.rank0_pid, signal.SIGTERM)
+        time.sleep(0.2)
+        assert put(port, {"prompts": ["1"], "tokens_to_generate": 2, "top_k": 1}) == (
+            503, {"message": "server is shutting down"})
+        [t.join() for t in threads]
+        assert [results[i][0] for i in range(2)] == [200, 200], results
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "after 2 requests in 1 batches" in out, out

@@ -218,7 +218,8 @@ def serve(args) -> None:
     finally:
         server.httpd.shutdown()
         server.httpd.server_close()
-        print("> server stopped", flush=True)
+        print(f"> server stopped after {server.stats['requests']} requests in {server.stats['batches']} batches",
+              flush=True)
 
 
 def main(argv=None) -> None:

@@ -165,6 +165,7 @@ class Batcher:
     def submit(self, request: Request) -> Job | None:
         """Queue ``request``; None when the queue is full (HTTP 503)."""
         with self._cv:
+            self._jobs = [j for j in self._jobs if not j.cancelled]
             if len(self._jobs) >= self.max_queue:
                 return None
             self._serial += 1
