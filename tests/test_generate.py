@@ -194,3 +194,31 @@ def test_tool_tokenizer_override_and_id_prompts(tmp_path):
                       pad_token_id=0)[0, 4:].tolist()
     new = out[:out.index(99)] if 99 in out else out
     assert got == [" " + " ".join(str(i) for i in new)]
+
+
+def _tp_stop(rank, world, kind, eod):
+    """Rank 0 alone flags row 1 as gone from step 2 on; every rank must end row 1 there and stop
+    together when all rows are flagged (a server's departed clients)."""
+    from megazero.parallel.topology import Topology
+    topo = Topology(world, rank, tp=world).create_groups()
+    model = GPTModel(config(kind), topo).eval()
+    calls = [0]
+
+    def gone():
+        calls[0] += 1
+        return [False, calls[0] > 2] + [False] * (len(PROMPTS) - 2)
+
+    one = generate(model, PROMPTS, NEW, eod=eod, stop_rows=gone if rank == 0 else None).tokens
+    everyone = generate(model, PROMPTS, NEW, eod=eod, stop_rows=(lambda: [True] * len(PROMPTS)) if rank == 0
+                        else None)
+    return one, everyone.tokens, everyone.steps
+
+
+def test_stop_rows_end_rows_on_every_rank():
+    free = generate(GPTModel(config("gpt2")).eval(), PROMPTS, NEW).tokens
+    eod = min(set(range(config("gpt2").vocab_size)) - {t for row in free for t in row})  # no row emits it
+    results = run_distributed(_tp_stop, 2, "gpt2", eod, timeout_s=60)
+    for one, everyone, steps in results:
+        assert one[1] == free[1][:2] + [eod] and one[0] == free[0][:NEW]  # row 1 ended at step 2 only
+        assert all(row == [eod] for row in everyone) and steps == 0  # all gone: one step on every rank
+    assert results[0] == results[1]

@@ -104,15 +104,16 @@ class Server:
             job.done.set()
 
     def loop(self, follow) -> None:
-        """Rank 0: hand out batches until SIGTERM and an empty queue; ``follow(work)`` runs one
-        batch on every rank (broadcast + generate) and returns (rows, logprobs)."""
+        """Rank 0: hand out batches until SIGTERM and an empty queue; ``follow(work, stop_rows)`` runs
+        one batch on every rank (broadcast + generate) and returns (rows, logprobs); ``stop_rows``
+        flags the rows whose client disconnected (they stop at the next token)."""
         while not (self.stopping.is_set() and len(self.batcher) == 0):
             jobs = self.batcher.next_batch(idle_s=0.5)
             if not jobs:
                 follow({"op": "idle"})
                 continue
-            try:
-                rows, lps = follow(batch_work(jobs))
+            try:  # a client that leaves mid-generation ends its rows at the next token
+                rows, lps = follow(batch_work(jobs), lambda: [j.cancelled for j in jobs for _ in j.request.ids])
             except (ValueError, RuntimeError) as e:
                 self.finish(jobs, None, None, f"generation failed: {e}")
                 continue
@@ -187,14 +188,14 @@ def serve(args) -> None:
     eod = getattr(tok, "eod", None)
     device = model.device
 
-    def follow(work):
+    def follow(work, stop_rows=None):
         if topo is not None:
             box = [work]
             dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
             work = box[0]
         if work["op"] != "generate":
             return work["op"]
-        return run_work(model, work, eod, agree)
+        return run_work(model, work, eod, agree, stop_rows if rank0 else None)
 
     if not rank0:  # followers: SIGTERM is rank 0's to act on; they stop when it says so
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

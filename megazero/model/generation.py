@@ -132,11 +132,14 @@ def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cach
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | None = None, greedy: bool = True,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             use_cache: bool = True, group=None) -> GenerationResult:
+             use_cache: bool = True, group=None, stop_rows=None) -> GenerationResult:
     """Continue each prompt (token ids) by up to ``max_new_tokens``; see the module docstring.
 
     Collective over the model's TP group (or ``group``, which must contain it: all ranks of an
-    expert-parallel MoE model): every rank calls it with the same arguments.
+    expert-parallel MoE model): every rank calls it with the same arguments. ``stop_rows`` (on the
+    group's first rank only, with ``eod``): a callable giving each row's "stop now" flag every step
+    (a server's departed clients); those rows take ``eod``, which the step's token broadcast
+    carries to every rank, so all ranks finish together once every row is done.
     ``max_new_tokens`` is cut so the longest row fits ``max_position_embeddings`` (learned
     positions; RoPE too, as the model was trained no further).
     """
@@ -162,6 +165,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     for step in range(max_new_tokens):
         logits = _step_logits(model, step_input, step_valid, cache)
         nxt = sample(last_logits(model, logits), greedy, temperature, top_k, top_p, gen).cpu()
+        if stop_rows is not None and eod is not None:
+            nxt = torch.where(torch.tensor(stop_rows(), dtype=torch.bool), torch.full_like(nxt, eod), nxt)
         nxt = _agree(nxt.to(device), group if group is not None else model.tp_group).cpu()
         nxt = torch.where(done, out[:, step], nxt)  # stopped rows keep their filler
         out[:, step] = nxt

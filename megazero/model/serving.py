@@ -222,11 +222,13 @@ def batch_work(jobs: list[Job]) -> dict:
                 top_k=r.top_k, top_p=r.top_p if r.top_p > 0 else 1.0)
 
 
-def run_work(model, work: dict, eod, group=None) -> tuple[list[list[int]], list[list[float] | None]]:
-    """Collective on every rank: (generated ids per prompt, their log-probabilities or None)."""
+def run_work(model, work: dict, eod, group=None, stop_rows=None) -> tuple[list[list[int]], list[list[float] | None]]:
+    """Collective on every rank: (generated ids per prompt, their log-probabilities or None).
+    ``stop_rows`` (rank 0): the rows whose client has gone, ended at the next step (``generate``)."""
     rows = generate(model, work["prompts"], work["max_new"], eod=eod, greedy=work["greedy"],
                     temperature=work["temperature"], top_k=work["top_k"], top_p=work["top_p"],
-                    seed=work["seed"], group=group).tokens if work["max_new"] > 0 else [[] for _ in work["prompts"]]
+                    seed=work["seed"], group=group, stop_rows=stop_rows).tokens \
+        if work["max_new"] > 0 else [[] for _ in work["prompts"]]
     lps = [token_logprobs(model, p + row) if want else None
            for p, row, want in zip(work["prompts"], rows, work["logprobs"])]
     return rows, lps
