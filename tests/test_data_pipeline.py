@@ -229,3 +229,21 @@ def wait_for(cond, timeout_s=5.0):
 def test_mock_dataset_is_reproducible_per_index():
     a, b = MockGPTDataset(10, S, V, 3), MockGPTDataset(10, S, V, 3)
     assert np.array_equal(a[4]["text"], b[4]["text"]) and not np.array_equal(a[4]["text"], a[5]["text"])
+
+
+@pytest.mark.parametrize("masks", [None, DocumentMasks(V - 1, eod_mask_loss=True, reset_position_ids=True)])
+def test_context_parallel_ranks_get_their_chunks_only(masks):
+    """CP 2 (S 12: chunks of 3): rank r holds chunks r and 3 - r of every entry, the masks and
+    reset positions computed on the whole sequence first; without masks the positions are the
+    chunks' true positions."""
+    from megazero.model.context_parallel import slice_for_rank
+    full = source(CountingDataset(8), 0, topo(), masks=masks).next_batch(2)
+    for rank in (0, 1):
+        t = SimpleNamespace(dp=1, dp_rank=0, cp=2, cp_rank=rank, is_first_stage=True, is_last_stage=True)
+        got = source(CountingDataset(8), 0, t, masks=masks).next_batch(2)
+        for g, f in zip(got, full):
+            assert set(g) == set(f)
+            for k in f:
+                assert torch.equal(g[k], slice_for_rank(f[k], 1, 2, rank)), k
+    if masks is None:  # rank 1 holds chunks 1 and 2: positions 3..8
+        assert got[0]["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8]

@@ -232,15 +232,17 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     unmasked tokens ``sum(loss * loss_mask) / sum(loss_mask)`` (plain mean without a mask).
     An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer.
 
-    Context parallelism (``chunk.topo.cp > 1``): the rank keeps its load-balanced chunks of the
-    sequence entries (:func:`~megazero.model.context_parallel.slice_for_rank`) and its loss is
+    Context parallelism (``chunk.topo.cp > 1``): the rank keeps its load-balanced chunks of
+    whole-sequence entries (:func:`~megazero.model.context_parallel.slice_for_rank`; the training
+    data source delivers them sliced already) and its loss is
     ``CP * sum_local(loss * mask) / sum_all(mask)`` (the mask count summed over the CP group, no
     gradient): the mean over the CP ranks -- which the DP x CP gradient average and the logged
     DP x CP mean take -- is the one-process token mean (Megatron's ``loss_func`` with CP)."""
     topo = getattr(chunk, "topo", None)
     cp = topo.cp if topo is not None else 1
-    if cp > 1:
-        micro_batch = {k: (slice_for_rank(v, 1, cp, topo.cp_rank) if k != "attention_mask" else v)
+    if cp > 1:  # whole sequences (a caller's own batches): keep this rank's chunks; the training data
+        full = chunk.config.seq_length  # source hands over the chunks already ([b, s / CP])
+        micro_batch = {k: (slice_for_rank(v, 1, cp, topo.cp_rank) if v.dim() == 2 and v.shape[1] == full else v)
                        for k, v in micro_batch.items()}
     x = micro_batch["tokens"] if input_tensor is None else input_tensor
     extra = {"attention_mask": micro_batch["attention_mask"]} if "attention_mask" in micro_batch else {}

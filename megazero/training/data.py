@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config.configs import DataConfig, ScheduleConfig
+from megazero.model.context_parallel import slice_for_rank
 from megazero.parallel.topology import Topology
 
 
@@ -156,8 +157,8 @@ class _ReadMicroBatch:
     """Runs on the reader thread: dataset samples ``indices`` -> this stage's CPU tensors
     (pinned when they go to a CUDA device). Holds no reference to the :class:`MicroBatchSource`."""
 
-    def __init__(self, dataset, keys: frozenset, masks: DocumentMasks | None, pin: bool):
-        self.dataset, self.keys, self.masks, self.pin = dataset, keys, masks, pin
+    def __init__(self, dataset, keys: frozenset, masks: DocumentMasks | None, pin: bool, cp: tuple[int, int]):
+        self.dataset, self.keys, self.masks, self.pin, self.cp = dataset, keys, masks, pin, cp
 
     def __call__(self, indices: list[int]) -> dict:
         from megazero.data.samplers import collate, get_tokens_and_labels
@@ -169,6 +170,8 @@ class _ReadMicroBatch:
         else:
             batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(labels, dtype=torch.float32)}
         batch = {k: v for k, v in batch.items() if k in self.keys}
+        if self.cp[0] > 1:  # this CP rank's chunks only (masks and positions were made on the whole sequence)
+            batch = {k: slice_for_rank(v, 1, *self.cp) for k, v in batch.items()}
         return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
 
 
@@ -182,7 +185,10 @@ class MicroBatchSource:
     the ``keys`` this stage reads (``ModelStages.input_keys``; default: all five), equal to what every rank read before
     (``tokens``/``labels`` ``[b, s]`` int64, ``loss_mask`` float32, ``position_ids``, and
     ``attention_mask`` ``[b, 1, s, s]`` with ``masks``); a stage that needs no sample gets ``{}``
-    and reads nothing (it still raises when the samples run out, as the others do).
+    and reads nothing (it still raises when the samples run out, as the others do). Under context
+    parallelism each entry holds only this CP rank's load-balanced chunks of the sequence
+    (:func:`~megazero.model.context_parallel.slice_for_rank`, on the reader thread: the masks and
+    positions are made on the whole sequence first), ``[b, s / CP]``.
 
     ``num_workers`` (``--num-workers``): 0 reads on the calling thread inside :meth:`next_batch`;
     1 or more, one daemon thread reads and pins (CUDA only) up to ``read_ahead`` micro-batches
@@ -202,10 +208,12 @@ class MicroBatchSource:
         if unknown:
             raise ValueError(f"unknown micro-batch keys {sorted(unknown)}; known: {sorted(MICRO_BATCH_KEYS)}")
         self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
-        self.position_ids = None  # without masks: arange(s) for every micro-batch, made once on the device
+        self.position_ids = None  # without masks: arange(s) (this CP rank's positions) made once on the device
+        cp = (getattr(topo, "cp", 1), getattr(topo, "cp_rank", 0))  # (CP, this rank's); tests pass (dp_rank, dp) only
         if masks is None and "position_ids" in self.keys:
-            self.position_ids = torch.arange(seq_length, device=self.device).unsqueeze(0).expand(micro_batch_size, -1)
-        read = _ReadMicroBatch(dataset, self.keys, masks, self.pinned)
+            positions = slice_for_rank(torch.arange(seq_length, device=self.device), 0, *cp)
+            self.position_ids = positions.unsqueeze(0).expand(micro_batch_size, -1)
+        read = _ReadMicroBatch(dataset, self.keys, masks, self.pinned, cp)
         reads = bool(self.keys & _READ_KEYS) or (masks is not None and bool(self.keys))
         work = micro_batch_indices(len(dataset), consumed_samples, micro_batch_size, topo.dp_rank, topo.dp, cycle)
         self.reader = ReadAhead(work, read, ahead=read_ahead, threaded=reads and num_workers > 0,
