@@ -109,7 +109,7 @@ def check_model_shape(reader: CheckpointReader, model_config) -> None:
     if saved.get("position_embedding_type") == "rope":  # no weight depends on it
         keys = tuple(k for k in keys if k != "max_position_embeddings")
     diffs = [f"{k} saved {saved.get(k)} vs now {now.get(k)}" for k in keys
-             if k in saved and saved.get(k) != now.get(k)]
+             if k in saved and k in now and saved[k] != now[k]]
     if diffs:
         raise CheckpointError(f"{reader.directory} holds another model: " + "; ".join(diffs))
 

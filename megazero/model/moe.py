@@ -41,9 +41,6 @@ from .moe_dispatch import allgather_dispatch, alltoall_dispatch
 from .moe_router import Router
 from .transformer import MLP, activate
 
-METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
-
-
 class MoEState:
     """Shared by the routers of one rank's model chunks: ``aux_scale`` (the gradient every aux
     loss gets, the schedule's ``grad_scale / M``), ``sums[name][n]`` (the metric of global layer
@@ -149,7 +146,7 @@ class MoELayer(nn.Module):
     def __init__(self, config, layer_number: int, topo, tracker, state: MoEState, device, buffer_device):
         super().__init__()
         moe = config.moe
-        self.moe, self.tracker, self.layer_number = moe, tracker, layer_number
+        self.moe, self.layer_number = moe, layer_number
         self.tp_group = topo.tp_group if topo is not None else None
         self.sequence_parallel = config.sequence_parallel and group_size(self.tp_group) > 1
         self.ep_group = topo.expert_group("ep") if topo is not None else None

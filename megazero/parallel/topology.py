@@ -183,13 +183,6 @@ class Topology:
             return self.group(kind)
         return {"ep": None, "etp": self.group("tp"), "edp": self.group("dp"), "tp_ep": self.group("tp")}[kind]
 
-    def expert_ranks(self, kind: str) -> list[int]:
-        """This rank's ``kind`` expert group as global ranks (see :meth:`expert_group`)."""
-        if expert_groups_needed(self.tp, self.cp, self.ep, self.etp):
-            return self.rank_lists[kind]
-        return {"ep": [self.rank], "etp": self.rank_lists["tp"], "edp": self.rank_lists["dp"],
-                "tp_ep": self.rank_lists["tp"]}[kind]
-
     @property
     def tp_group(self):
         return self.group("tp")

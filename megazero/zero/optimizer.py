@@ -50,6 +50,13 @@ from .norms import count_zeros as zeros_in
 from .state import ShardState
 
 
+def grad_dtype(params_dtype: torch.dtype, accumulate_in_fp32: bool | None) -> torch.dtype:
+    """fp32 gradients with fp32 parameters or ``accumulate_in_fp32`` (default: on with bf16,
+    Megatron's ``--accumulate-allreduce-grads-in-fp32`` implied by ``--bf16``), else the params' dtype."""
+    in_fp32 = params_dtype == torch.bfloat16 if accumulate_in_fp32 is None else accumulate_in_fp32
+    return torch.float32 if in_fp32 or params_dtype == torch.float32 else params_dtype
+
+
 class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
     """See the module docstring and docs/zero.md.  ``model_chunks``: a module or list of them
     (virtual pipeline chunks); ``shared_params``: ``[(param, process_group)]`` whose gradients are
@@ -91,9 +98,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.device, self.params_dtype = cast_params(trainable, params_dtype)
         if self.device.type == "meta":  # built on the meta device: materialized by the regions below
             self.device = torch.device(device) if device is not None else torch.device("cpu")
-        in_fp32 = self.params_dtype == torch.bfloat16 if accumulate_in_fp32 is None else accumulate_in_fp32
-        fp32 = in_fp32 or self.params_dtype == torch.float32
-        self.grad_dtype = torch.float32 if fp32 else self.params_dtype
+        self.grad_dtype = grad_dtype(self.params_dtype, accumulate_in_fp32)
         self.scaler = make_loss_scaler(self.params_dtype, loss_scale, dynamic_loss_scale, initial_loss_scale,
                                        min_loss_scale, loss_scale_window, hysteresis)
 
@@ -124,9 +129,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         gathered = any(r.stage >= 1 and not r.partitioned for r in self.regions)  # regions with an all-gather
         self.param_sync = ParamSync(chunks, self.regions) if overlap_param_gather and gathered else None
         self._synced = False
-        self.iteration = 0  # optimizer steps taken (not skipped)
-        self.skipped_iterations = 0
-        self.nan_iterations = 0
+        self.iteration = self.skipped_iterations = self.nan_iterations = 0  # steps taken, skipped, NaN
         self.last_comm: dict = {}
         self._lr_ranges = None  # set_decoupled_params: per region, (other, decoupled) shard ranges
 
