@@ -55,6 +55,11 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 LOSS_RE = re.compile(r"^(?: \[[^\]]*\])? iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.eE+-]+) \|", re.M)
 PROMPTS = [[5, 6, 7, 8], [40, 42, 44], [90, 91]]
+# The correctness matrix: (dtype, ZeRO stage, variant); "moe" swaps each MLP for 4 experts, top-2 (dropless,
+# so the device and CPU runs route the same tokens to the same experts).
+VARIANTS = {"dense": [], "moe": ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]}
+MATRIX = [("fp32", 0, "dense"), ("fp32", 3, "dense"), ("bf16", 0, "dense"), ("bf16", 3, "dense"),
+          ("fp32", 1, "moe")]
 
 
 def sh(cmd: list, timeout: float, env: dict | None = None, cwd: Path = ROOT) -> str:
@@ -116,9 +121,10 @@ def make_corpus(work: Path, python: str) -> list[str]:
 
 
 def train_losses(python: str, device: str, dtype: str, zero: int, iters: int, data: list, threads: int,
-                 save: Path | None) -> list[float]:
+                 save: Path | None, variant: str = "dense") -> list[float]:
     """One pretrain_gpt.py run at world size 1: the logged lm loss of every iteration."""
-    cmd = [python, "pretrain_gpt.py", *TINY_GPT, *data, "--train-iters", iters, "--zero-stage", zero]
+    cmd = [python, "pretrain_gpt.py", *TINY_GPT, *VARIANTS[variant], *data, "--train-iters", iters,
+           "--zero-stage", zero]
     cmd += ["--bf16"] if dtype == "bf16" else []
     cmd += ["--distributed-backend", "gloo"] if device == "cpu" else []
     cmd += ["--save", save, "--save-interval", 100000] if save else []
@@ -130,23 +136,23 @@ def train_losses(python: str, device: str, dtype: str, zero: int, iters: int, da
 
 
 def correctness(a, data: list, work: Path) -> dict:
-    """Device vs CPU losses for fp32/bf16 x ZeRO 0/3, all runs ``--jobs`` at a time."""
+    """Device vs CPU losses for every MATRIX entry, all runs ``--jobs`` at a time."""
     roles = ("device", "cpu") if a.device != "cpu" else ("cpu",)  # dry run: the CPU run is its own reference
-    runs = [(role, dtype, zero) for dtype in ("fp32", "bf16") for zero in (0, 3) for role in roles]
+    runs = [(role, *m) for m in MATRIX for role in roles]
     ckpt = work / "ckpt_cpu_fp32_z0"
     with cf.ThreadPoolExecutor(a.jobs) as pool:
         futures = {r: pool.submit(train_losses, a.python, a.device if r[0] == "device" else "cpu", r[1], r[2],
                                   a.iters, data, a.cpu_threads if r[0] == "cpu" else 1,
-                                  ckpt if r == ("cpu", "fp32", 0) else None) for r in runs}
+                                  ckpt if r == ("cpu", "fp32", 0, "dense") else None, r[3]) for r in runs}
         losses = {r: f.result() for r, f in futures.items()}
     rows = []
-    for dtype in ("fp32", "bf16"):
-        for zero in (0, 3):
-            ref = losses[("cpu", dtype, zero)]
-            dev = losses.get(("device", dtype, zero), ref)
-            rel = max(abs(x - y) / abs(y) for x, y in zip(dev, ref))
-            rows.append({"dtype": dtype, "zero": zero, "iters": len(ref), "device_losses": dev, "cpu_losses": ref,
-                         "max_rel_diff": rel, "tolerance": TOLERANCE[dtype], "pass": rel <= TOLERANCE[dtype]})
+    for dtype, zero, variant in MATRIX:
+        ref = losses[("cpu", dtype, zero, variant)]
+        dev = losses.get(("device", dtype, zero, variant), ref)
+        rel = max(abs(x - y) / abs(y) for x, y in zip(dev, ref))
+        rows.append({"dtype": dtype, "zero": zero, "variant": variant, "iters": len(ref), "device_losses": dev,
+                     "cpu_losses": ref, "max_rel_diff": rel, "tolerance": TOLERANCE[dtype],
+                     "pass": rel <= TOLERANCE[dtype]})
     return {"runs": rows, "checkpoint": str(ckpt)}
 
 

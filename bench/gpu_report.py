@@ -21,7 +21,7 @@ def verdict(report: dict) -> dict:
     failed = [name for name, v in report.items() if isinstance(v, dict) and "error" in v]
     for r in report.get("correctness", {}).get("runs", []):
         if not r["pass"]:
-            failed.append(f"correctness {r['dtype']} ZeRO {r['zero']}: max rel diff {r['max_rel_diff']:.2e}")
+            failed.append(f"correctness {_label(r)} ZeRO {r['zero']}: max rel diff {r['max_rel_diff']:.2e}")
     if report.get("generation", {}).get("pass") is False:
         failed.append("generation: device tokens differ from the CPU's")
     if "correctness" in report and "generation" not in report:
@@ -33,6 +33,11 @@ def verdict(report: dict) -> dict:
         targets = {"mfu": best["mfu"], "mfu_met": (best["mfu"] or 0) >= MFU_TARGET,
                    "vs_peer": best["vs_peer"], "vs_peer_met": best["vs_peer"] >= PEER_TARGET}
     return {"pass": not failed, "failed": failed, "targets": targets}
+
+
+def _label(run: dict) -> str:
+    """The dtype, with the model variant when it is not the dense GPT (e.g. "fp32 moe")."""
+    return run["dtype"] + ("" if run.get("variant", "dense") == "dense" else f" {run['variant']}")
 
 
 def _fmt(x, spec=".4g") -> str:
@@ -51,7 +56,7 @@ def _correctness(corr: dict, gen: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for r in corr.get("runs", []):
         d, c = r["device_losses"], r["cpu_losses"]
-        lines.append(f"| {r['dtype']} | {r['zero']} | {r['iters']} | {d[0]:.6f} / {c[0]:.6f} | {d[-1]:.6f} / "
+        lines.append(f"| {_label(r)} | {r['zero']} | {r['iters']} | {d[0]:.6f} / {c[0]:.6f} | {d[-1]:.6f} / "
                      f"{c[-1]:.6f} | {r['max_rel_diff']:.2e} | {r['tolerance']:g} | {'pass' if r['pass'] else 'FAIL'} |")
     if gen and "pass" in gen:
         lines += ["", f"Greedy generation, TP 1, fp32, from the CPU fp32 ZeRO-0 checkpoint: "

@@ -23,7 +23,8 @@ def test_dry_run_writes_a_passing_report(tmp_path):
     assert report["dry_run"] and report["verdict"] == {"pass": True, "failed": [], "targets": {}}
     assert report["environment"]["torch"] and report["environment"]["gpu"] is None
     runs = report["correctness"]["runs"]
-    assert [(r["dtype"], r["zero"]) for r in runs] == [("fp32", 0), ("fp32", 3), ("bf16", 0), ("bf16", 3)]
+    assert [(r["dtype"], r["zero"], r["variant"]) for r in runs] == [
+        ("fp32", 0, "dense"), ("fp32", 3, "dense"), ("bf16", 0, "dense"), ("bf16", 3, "dense"), ("fp32", 1, "moe")]
     for r in runs:
         assert len(r["cpu_losses"]) == 6 and r["cpu_losses"][-1] < r["cpu_losses"][0]  # the counting corpus is learnt
     gen = report["generation"]
