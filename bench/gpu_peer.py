@@ -157,6 +157,7 @@ def main(argv=None) -> int:
         raise SystemExit("no CUDA device: run with --tiny (or --device cpu) on CPU")
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # initializes CUDA: resetting the peak stats before that raises
         torch.cuda.reset_peak_memory_stats(device)
     step_s, window, losses, n_params = train(a, device)
     seq = (TINY if a.tiny else FULL)["seq"]
