@@ -167,8 +167,11 @@ def test_cli_table_and_json(capsys):
     assert planner_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("model: 1,3")  # ~1.3B parameters
-    assert lines[1].split()[:5] == ["TP", "PP", "VP", "DP", "ZeRO"]
-    assert any(line.rstrip().endswith("yes") for line in lines[3:-1])
+    assert lines[1].startswith("gpu: 8 x H100")
+    assert lines[2].startswith("recommended: TP")
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["TP", "PP"])
+    assert lines[head].split()[:5] == ["TP", "PP", "VP", "DP", "ZeRO"]
+    assert any(line.split()[-2] == "yes" for line in lines[head + 2:-1])
     assert planner_main(argv + ["--json", "--zero-stage", "3"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows and all(r["zero"] == 3 for r in rows)

@@ -227,13 +227,15 @@ def test_cli_context_parallel(capsys):
             "--micro-batch-size", "1", "--vocab-size", "100", "--world-size", "8", "--bf16"]
     assert planner_main(argv) == 0
     plain = capsys.readouterr().out.splitlines()
-    assert "CP" not in plain[1].split() and "context parallel" not in plain[0]
+    h = next(i for i, line in enumerate(plain) if line.split()[:2] == ["TP", "PP"])
+    assert "CP" not in plain[h].split() and "context parallel" not in plain[0]
     assert planner_main(argv + ["--attention-dropout", "0", "--context-parallel-size", "2", "--cp-comm-type",
                                 "a2a"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("; context parallel a2a (Ulysses)")
-    assert lines[1].split()[:6] == ["TP", "PP", "VP", "CP", "DP", "ZeRO"] and lines[1].split()[-5:-3] == ["pp", "cp)"]
-    assert all(row.split()[3] == "2" for row in lines[3:-1])
+    h = next(i for i, line in enumerate(lines) if line.split()[:2] == ["TP", "PP"])
+    assert lines[h].split()[:6] == ["TP", "PP", "VP", "CP", "DP", "ZeRO"] and lines[h].split()[-6:-4] == ["pp", "cp)"]
+    assert all(row.split()[3] == "2" for row in lines[h + 2:-1])
     assert planner_main(argv + ["--attention-dropout", "0", "--try-context-parallel", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["cp"] for r in rows} == {1, 2, 4, 8} and all((r["comm_cp_bytes"] > 0) == (r["cp"] > 1) for r in rows)

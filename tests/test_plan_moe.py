@@ -171,8 +171,9 @@ def test_cli_reads_the_moe_flags(capsys):
             "--moe-layer-freq", "([1]+[0])*2", "--moe-shared-expert-intermediate-size", "64", "--bf16"]
     assert planner_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("MoE: 8 experts (FFN 32), top-2, 2 of 4 layers, shared expert 64")
-    assert lines[2].split()[:8] == ["TP", "PP", "VP", "DP", "ZeRO", "EP", "ETP", "EDP"]
+    assert lines[2].startswith("MoE: 8 experts (FFN 32), top-2, 2 of 4 layers, shared expert 64")
+    h = next(i for i, line in enumerate(lines) if line.split()[:2] == ["TP", "PP"])
+    assert lines[h].split()[:8] == ["TP", "PP", "VP", "DP", "ZeRO", "EP", "ETP", "EDP"]
     assert planner_main(argv + ["--json", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size",
                                 "1", "--tensor-model-parallel-size", "2"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

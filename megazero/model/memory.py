@@ -22,7 +22,7 @@ with --bf16, fp32 or --accumulate-allreduce-grads-in-fp32, else 2), 12 (fp32 mas
 Expert states are the same with Φ_e and N = EDP = TP CP DP / (ETP EP) (the expert-DP group).
 
 **Activations** per layer and micro-batch: Korthikanti et al. 2022's figures
-(:mod:`megazero.model.cp_memory`). **Context parallelism** (CP ranks): s is a rank's ``s / CP``
+(:mod:`megazero.model.cp_memory`); a flash or fused attention kernel keeps no ``5 a s^2 b`` scores. **Context parallelism** (CP ranks): s is a rank's ``s / CP``
 tokens in every formula here; the CP attention keeps no ``a s^2`` scores but its output and
 log-sum-exp, and the ring adds its fp32 working set as a transient (:mod:`~megazero.model.cp_memory`).
 An MoE layer keeps its routed rows instead of the dense MLP's share
@@ -206,13 +206,15 @@ class _Run:
     etp: int
     cp: int = 1
     act_bytes: int = 2          # A (the formulas count 2-byte activations; CP's extras are real bytes)
+    scores: bool = True         # the attention keeps its a s^2 scores (unfused kernel); False: flash/fused
 
 
 def _chunk_bytes(shape: GPTConfig, layers: list[int], run: _Run) -> tuple[float, float]:
     """(kept, transient) of one chunk holding global ``layers``, MoE layers' routed rows and the CP
     attention's saved tensors and working set included (2-byte units)."""
     kept, transient = chunk_activation_bytes(len(layers), run.s, run.b, shape.hidden_size, shape.num_attention_heads,
-                                             run.tp, run.sp, run.recompute, run.method, run.num_layers, run.cp == 1)
+                                             run.tp, run.sp, run.recompute, run.method, run.num_layers,
+                                             run.cp == 1 and run.scores)
     extra = moe_chunk_activation_bytes(shape, layers, run.s, run.b, run.tp, run.sp, run.etp, run.recompute,
                                        run.method, run.num_layers)
     cp = cp_chunk_activation_bytes(shape, len(layers), run.s, run.b, run.tp, run.cp, run.act_bytes, run.recompute,
@@ -270,8 +272,9 @@ def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_ba
              vp: int = 1, param_bytes: int = 2, grad_bytes: int = 2, sequence_parallel: bool = False,
              recompute: str | None = None, recompute_method: str | None = None,
              recompute_num_layers: int | None = None, gpu_memory_gb: float = 80.0, ep: int = 1,
-             etp: int | None = None, cp: int = 1) -> Layout:
-    """Memory and communication of one layout, at its most loaded pipeline stage. MoE: ``ep``
+             etp: int | None = None, cp: int = 1, attention_scores: bool = True) -> Layout:
+    """Memory and communication of one layout, at its most loaded pipeline stage. ``attention_scores``
+    False: a flash/fused attention kernel keeps no ``5 a s^2 b`` scores (the selective figure). MoE: ``ep``
     experts-parallel ranks, ``etp`` expert TP (None: TP); expert states over EDP = TP CP DP / (ETP EP).
     ``cp``: context-parallel ranks (``shape.cp_comm_type``), ``dp`` excluding them; ``ValueError``
     unless they can split the sequence (:func:`~megazero.model.cp_memory.check_cp_layout`)."""
@@ -280,7 +283,7 @@ def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_ba
     edp = expert_data_parallel(tp, dp, ep, etp, cp)
     act_scale = 2 if param_bytes == 4 else 1  # the formulas count 2-byte activations
     run = _Run(shape.seq_length // cp, micro_batch_size, tp, pp, vp, micro_batches, sequence_parallel and tp > 1,
-               recompute, recompute_method, recompute_num_layers, etp, cp, 2 * act_scale)
+               recompute, recompute_method, recompute_num_layers, etp, cp, 2 * act_scale, attention_scores)
     best = None
     for r in range(pp):
         dense, expert = stage_param_split(shape, tp, pp, r, vp, ep, etp)
