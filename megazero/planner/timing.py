@@ -3,7 +3,7 @@
 **Compute** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM", counting as their section 5.1): per token ``6 N`` for the matrix multiplies of the
 N parameters a token passes through (the active ones; the input embedding, a lookup, not counted
-unless tied to the output layer) plus ``12 L s (a d)`` for the attention's scores and weighted sum
+unless tied to the output layer; learned positions never) plus ``12 L s (a d)`` for the attention's scores and weighted sum
 (forward and backward, full ``s x s``, not halved for causality). A step's tokens are
 ``M mbs DP s``; each GPU does ``1 / world`` of it at ``peak x MFU`` (MFU an assumption, printed).
 Full recompute adds a forward of the recomputed layers (``x 4/3`` when every layer is), selective
@@ -51,7 +51,8 @@ def flops_per_token(shape: GPTConfig, recompute: str | None = None, recomputed_f
     """Model FLOPs per token, forward and backward: ``6 N + 12 L s (a d)`` (module docstring), plus the
     recomputation's forward (``2 N + 4 L s a d`` x the recomputed fraction of layers with full, the
     attention's ``4 L s a d`` with selective)."""
-    n = active_params(shape) - (0 if shape.tied_embeddings else embedding_params(shape))
+    positions = shape.max_position_embeddings * shape.hidden_size if shape.learned_positions else 0
+    n = active_params(shape) - (positions if shape.tied_embeddings else embedding_params(shape))
     attn = shape.num_layers * shape.seq_length * shape.num_attention_heads * shape.kv_channels
     flops = 6 * n + 12 * attn
     if recompute == "full":
