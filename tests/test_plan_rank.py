@@ -34,6 +34,17 @@ GPT3_175B = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq
              "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 --fp16 --vocab-size 50257 "
              "--attention-backend auto --world-size 1024 --gpu a100-80g").split()
 
+# NeMo's nemo/collections/llm/recipes/llama3_70b.py pretrain_recipe: 4 nodes x 8 H100, TP4 PP4 VP5 CP2 with
+# sequence parallelism, the distributed optimizer, bf16, seq 8192, mbs 1, gbs 512 (the Llama-2 70B shape with
+# Llama-3's vocabulary and sequence; Megatron-LM has no 70B pretraining example for NVIDIA GPUs).
+LLAMA3_70B = ("--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+              "--group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192 "
+              "--max-position-embeddings 8192 --position-embedding-type rope --attention-dropout 0.0 "
+              "--hidden-dropout 0.0 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+              "--disable-bias-linear --micro-batch-size 1 --global-batch-size 512 --bf16 --vocab-size 128256 "
+              "--use-distributed-optimizer --sequence-parallel --world-size 32 "
+              "--num-layers-per-virtual-pipeline-stage 4 --try-context-parallel").split()
+
 
 def _rows(capsys, argv):
     assert planner_main(argv + ["--json"]) == 0
@@ -88,6 +99,15 @@ def test_gpt3_175b_on_1024_a100(capsys):
     published = min((r for r in rows if (r["tp"], r["pp"]) == (8, 16)), key=lambda r: r["step_s"])
     assert published["fits"] and published["step_s"] < 1.02 * top["step_s"]
     assert published["links"]["tp"] == "nvlink" and published["links"]["dp"] == "network"
+
+
+def test_llama_70b_nemo_layout_on_32_h100(capsys):
+    """NeMo's TP4 PP4 VP5 CP2 is the top recommendation among the layouts with 4 layers per virtual stage."""
+    rows = _rows(capsys, LLAMA3_70B)
+    top = rows[0]
+    assert (top["tp"], top["pp"], top["vp"], top["cp"], top["dp"], top["zero"]) == (4, 4, 5, 2, 1, 1)
+    assert top["fits"] and top["links"]["tp"] == "nvlink" and top["links"]["pp"] == "network"
+    assert not any(r["fits"] for r in rows if r["tp"] * r["cp"] == 1)  # 70B needs model or context parallelism
 
 
 def test_step_time_formulas():
