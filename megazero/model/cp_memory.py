@@ -68,10 +68,16 @@ RING_TILES, TILE_ELEMS = 2, 1 << 22  # score tiles alive at once, elements per t
 # ---- per-layer activations -----------------------------------------------------------------
 def layer_activation_bytes(s: int, b: int, h: int, a: int, tp: int, sp: bool = False,
                            recompute: str | None = None, scores: bool = True) -> float:
-    """Korthikanti et al.: bytes one layer keeps for one micro-batch (2-byte activations).
+    """Korthikanti et al. 2022 (*Reducing Activation Recomputation in Large Transformer Models*):
+    bytes one layer keeps for one micro-batch (2-byte activations), t = TP::
 
-    ``recompute``: None, ``selective`` or ``full`` (full: only the layer input, 2 s b h);
-    ``scores=False``: the attention keeps no ``a s^2`` scores (CP's), so None is the selective figure.
+        no recompute    s b h (10 + 24/t + 5 a s/(h t))     with SP: s b h (34 + 5 a s/h) / t
+        selective       s b h (10 + 24/t)                   with SP: 34 s b h / t
+        full            2 s b h (the layer input)           with SP: 2 s b h / t
+
+    ``5 a s/h``: the softmax output, its dropout mask and output (``a s^2 b`` each, 2 + 1 + 2 bytes).
+    ``scores=False``: the attention keeps none of them -- a flash or fused kernel, or CP's -- so
+    None is the selective figure.
     """
     sbh, t = s * b * h, tp
     if recompute == "full":

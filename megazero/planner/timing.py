@@ -137,7 +137,9 @@ def recommendation(ranked: list[Ranked], memory_gib: float) -> list[str]:
     top = ranked[0]
     x, t = top.layout, top.time
     lines = [f"recommended: {name(x)}: fits in {x.total_bytes / GiB:.1f} GiB of {memory_gib:g}, "
-             f"est. {t.total:.2f} s/step", f"  time: {_split(t)}"]
+             f"est. {t.total:.2f} s/step" + (" (over 90 % of the device: leave room for the CUDA context and "
+                                             "fragmentation, docs/plan.md)" if x.total_bytes > 0.9 * memory_gib * GiB
+                                             else ""), f"  time: {_split(t)}"]
     smaller = [r for r in ranked if r.layout.fits and r.layout.total_bytes < x.total_bytes - 0.5 * GiB]
     if smaller:
         alt = smaller[0]
