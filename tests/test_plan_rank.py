@@ -4,6 +4,9 @@ presets and the step-time formulas (megazero.planner.timing; docs/plan.md)."""
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megazero import planner as plan
 from megazero.model import GPTConfig
@@ -108,6 +111,36 @@ def test_llama_70b_nemo_layout_on_32_h100(capsys):
     assert (top["tp"], top["pp"], top["vp"], top["cp"], top["dp"], top["zero"]) == (4, 4, 5, 2, 1, 1)
     assert top["fits"] and top["links"]["tp"] == "nvlink" and top["links"]["pp"] == "network"
     assert not any(r["fits"] for r in rows if r["tp"] * r["cp"] == 1)  # 70B needs model or context parallelism
+
+
+def _saved_beyond_inputs(fn, inputs) -> int:
+    """Bytes autograd saves while ``fn`` runs, beyond the size of ``inputs``."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values()) - sum(t.numel() * t.element_size() for t in inputs)
+
+
+@pytest.mark.parametrize("backend,dropout", [(SDPBackend.FLASH_ATTENTION, 0.0), (SDPBackend.MATH, 0.0),
+                                             (SDPBackend.MATH, 0.1)])
+def test_attention_kernels_keep_what_the_planner_assumes(backend, dropout):
+    """SDPA's flash kernel keeps its output and an fp32 log-sum-exp per row, no a s^2 term (the planner's
+    flash/fused figure); the math kernel (--attention-backend unfused/local) keeps the a s^2 scores --
+    in bf16 4.75 a s^2 b bytes at dropout 0 (CPU, and an H200 with torch 2.11), with dropout 12.75 on
+    CPU and 9.75 on the H200, against Korthikanti's 5 for Megatron's fused softmax (docs/plan.md)."""
+    b, a, s, d = 2, 4, 128, 16
+    q, k, v = (torch.randn(b, a, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with sdpa_kernel([backend]):
+        got = _saved_beyond_inputs(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True),
+                                   (q, k, v))
+    if backend == SDPBackend.FLASH_ATTENTION:
+        assert got == b * a * s * d * 2 + b * a * s * 4
+    else:
+        assert got == (4.75 if dropout == 0 else 12.75) * a * s * s * b  # CPU keeps more with dropout than CUDA
 
 
 def test_step_time_formulas():
