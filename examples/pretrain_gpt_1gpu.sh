@@ -17,7 +17,9 @@
 # Memory, from the planner (python -m megazero.planner, same flags + --world-size 1):
 #   model states 22.40 GiB + activations 13.80 GiB = 36.20 GiB per GPU -> fits 80 GB (on a 40 GB
 #   GPU use --micro-batch-size 2). Micro-batch 8: 50.0 GiB; 16: 77.6 GiB (too tight).
-#   Without recompute the planner counts the a*s^2 attention scores (no flash): 66.2 GiB at mb 4.
+#   Without recompute the same 36.20 GiB: flash attention keeps no a*s^2 scores (66.2 GiB with
+#   --attention-backend unfused), so selective recompute only costs time here (planner: +4.6 %;
+#   measured on an H200: 45.5 GiB peak both ways, MFU 0.371 without, 0.359 with; docs/benchmarks.md).
 # Throughput: `PYTHONPATH=. python bench/gpu_mfu.py --recompute selective --micro-batch-size 4` times
 # this model's training step (tokens/s and MFU; 8 micro-batches per step instead of 64).
 #

@@ -200,6 +200,11 @@ def main(argv=None) -> int:
         print("no valid layout")
         return 1
     print("\n".join(recommendation(ranked, gpu.memory_gib)))
+    if args.recompute_granularity == "selective" and not attention_keeps_scores(args) and ranked[0].layout.fits:
+        top = ranked[0]
+        plain = step_time(shape, top.layout, gpu, args.micro_batch_size, args.assumed_mfu)
+        print(f"  selective recompute saves no memory with flash/fused attention (no a*s^2 scores to drop) and "
+              f"costs {100 * (top.time.total / plain.total - 1):.1f}% of the time: drop --recompute-granularity")
     print(format_table(ranked[:args.top], gpu.memory_gib, moe=shape.moe is not None, cp=cp != 1))
     print(f"{sum(r.layout.fits for r in ranked)} of {len(ranked)} layouts fit {gpu.memory_gib:g} GiB, ranked by "
           "estimated step time (the rest by memory); memory and communication in GiB per GPU (the most loaded "
