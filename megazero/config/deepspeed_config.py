@@ -254,7 +254,8 @@ def planned_memory(args) -> str:
                               recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                               ep=getattr(args, "expert_model_parallel_size", 1) or 1,
                               etp=getattr(args, "expert_tensor_parallel_size", None),
-                              cp=getattr(args, "context_parallel_size", 1))
+                              cp=getattr(args, "context_parallel_size", 1),
+                              attention_scores=getattr(args, "attention_backend", "auto") in ("unfused", "local"))
     gib = 2.0 ** 30
     return (f"ZeRO stage {args.zero_stage} at DP {dp} (TP {tp}, PP {pp}) needs {layout.total_bytes / gib:.2f} GiB "
             f"per rank (model states {layout.model_state_bytes / gib:.2f} + activations "

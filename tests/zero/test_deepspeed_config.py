@@ -248,7 +248,7 @@ def test_offload_is_refused_with_the_planners_figure(tmp_path, capsys):
     a = parse_args(["--deepspeed_config", write(tmp_path, cfg), *shape], world_size=4)
     assert a.zero_stage == 3 and a.num_micro_batches == 1
     est = planner.estimate(gpt_config(a), 1, 1, 4, 3, micro_batch_size=4, micro_batches=1, param_bytes=2,
-                           grad_bytes=4)  # bf16 parameters, fp32 gradients
+                           grad_bytes=4, attention_scores=False)  # bf16 params, fp32 grads, flash attention
     assert "zero_optimization.offload_optimizer (device cpu): optimizer offload is not available" in err
     assert f"ZeRO stage 3 at DP 4 (TP 1, PP 1) needs {est.total_bytes / 2 ** 30:.2f} GiB per rank" in err
     assert "python -m megazero.planner" in err and est.total_bytes > 2 ** 30
