@@ -147,17 +147,8 @@ def _check(args, parser) -> None:
         parser.error(f"--gpu-memory-gb {args.gpu_memory_gb}: give a positive number of GiB")
 
 
-def main(argv=None) -> int:
-    import sys
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--help-all" in argv:
-        build_parser().print_help()
-        return 0
-    if "-h" in argv or "--help" in argv:
-        short_parser().print_help()
-        return 0
-    parser = build_parser()
-    args = with_moe_flags(parser.parse_args(argv))
+def _ranked(args, parser):
+    """(shape, gpu, CP, ranked layouts, param bytes, grad bytes) of checked flags."""
     _check(args, parser)
     if args.recompute_activations and args.recompute_granularity is None:
         args.recompute_granularity = "selective"  # Megatron's alias
@@ -174,38 +165,61 @@ def main(argv=None) -> int:
         layouts = [x for x in layouts if x.zero >= 1 or x.dp * x.cp == 1]
     times = [step_time(shape, x, gpu, args.micro_batch_size, args.assumed_mfu, args.recompute_granularity,
                        args.recompute_method, args.recompute_num_layers) for x in layouts]
-    ranked = rank(layouts, times)
-    if args.fits_only:
-        ranked = [r for r in ranked if r.layout.fits]
+    return shape, gpu, cp, rank(layouts, times), param_bytes, grad_bytes
+
+
+def _header(args, shape, gpu, cp, param_bytes: int, grad_bytes: int) -> str:
+    dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    attention = "unfused (keeps a*s^2 scores)" if attention_keeps_scores(args) else "flash/fused"
+    return (f"model: {total_params(shape):,} parameters (vocab {shape.vocab_size} padded to "
+            f"{shape.padded_vocab(1)} at TP 1); world {args.world_size}; {dtype} (params {param_bytes} B, grads "
+            f"{grad_bytes} B, optimizer 12 B per parameter); seq {shape.seq_length}, micro-batch "
+            f"{args.micro_batch_size}; attention {attention}; recompute {args.recompute_granularity or 'none'}"
+            f"{', sequence parallel' if args.sequence_parallel else ''}"
+            + (f"; context parallel {CP_KINDS[shape.cp_comm_type]}" if cp != 1 else "")
+            + f"\ngpu: {args.world_size} x {gpu.name}, {gpu.memory_gib:g} GiB, {gpu.gpus_per_node} per node; NVLink "
+            f"{gpu.nvlink_gbps:g} GB/s, network {gpu.internode_gbps:g} GB/s per GPU and direction; peak "
+            f"{gpu.peak_tflops:g} TFLOP/s x assumed MFU {args.assumed_mfu:g}")
+
+
+def _selective_note(args, shape, gpu, top) -> list[str]:
+    """Selective recompute drops the a s^2 scores; under flash/fused attention there are none to drop."""
+    if args.recompute_granularity != "selective" or attention_keeps_scores(args) or not top.layout.fits:
+        return []
+    plain = step_time(shape, top.layout, gpu, args.micro_batch_size, args.assumed_mfu)
+    return [f"  selective recompute saves no memory with flash/fused attention (no a*s^2 scores to drop) and "
+            f"costs {100 * (top.time.total / plain.total - 1):.1f}% more time: drop --recompute-granularity"]
+
+
+def main(argv=None) -> int:
+    import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help-all" in argv:
+        build_parser().print_help()
+        return 0
+    if "-h" in argv or "--help" in argv:
+        short_parser().print_help()
+        return 0
+    parser = build_parser()
+    args = with_moe_flags(parser.parse_args(argv))
+    shape, gpu, cp, ranked, param_bytes, grad_bytes = _ranked(args, parser)
+    shown = [r for r in ranked if r.layout.fits] if args.fits_only else ranked
     if args.json:
-        for r in ranked:
+        for r in shown:
             print(json.dumps(dict(asdict(r.layout), comm_bytes=r.layout.comm_bytes, step_s=r.time.total,
                                   compute_s=r.time.compute, bubble_s=r.time.bubble,
                                   comm_s={k: v for k, v in r.time.comm.items() if v}, links=r.time.links)))
         return 0
-    dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-    attention = "unfused (keeps a*s^2 scores)" if attention_keeps_scores(args) else "flash/fused"
-    print(f"model: {total_params(shape):,} parameters (vocab {shape.vocab_size} padded to "
-          f"{shape.padded_vocab(1)} at TP 1); world {args.world_size}; {dtype} (params {param_bytes} B, grads "
-          f"{grad_bytes} B, optimizer 12 B per parameter); seq {shape.seq_length}, micro-batch "
-          f"{args.micro_batch_size}; attention {attention}; recompute {args.recompute_granularity or 'none'}"
-          f"{', sequence parallel' if args.sequence_parallel else ''}"
-          + (f"; context parallel {CP_KINDS[shape.cp_comm_type]}" if cp != 1 else ""))
-    print(f"gpu: {args.world_size} x {gpu.name}, {gpu.memory_gib:g} GiB, {gpu.gpus_per_node} per node; NVLink "
-          f"{gpu.nvlink_gbps:g} GB/s, network {gpu.internode_gbps:g} GB/s per GPU and direction; peak "
-          f"{gpu.peak_tflops:g} TFLOP/s x assumed MFU {args.assumed_mfu:g}")
+    print(_header(args, shape, gpu, cp, param_bytes, grad_bytes))
     if shape.moe is not None:
         print(moe_line(shape))
     if not ranked:
         print("no valid layout")
         return 1
-    print("\n".join(recommendation(ranked, gpu.memory_gib)))
-    if args.recompute_granularity == "selective" and not attention_keeps_scores(args) and ranked[0].layout.fits:
-        top = ranked[0]
-        plain = step_time(shape, top.layout, gpu, args.micro_batch_size, args.assumed_mfu)
-        print(f"  selective recompute saves no memory with flash/fused attention (no a*s^2 scores to drop) and "
-              f"costs {100 * (top.time.total / plain.total - 1):.1f}% of the time: drop --recompute-granularity")
-    print(format_table(ranked[:args.top], gpu.memory_gib, moe=shape.moe is not None, cp=cp != 1))
+    print("\n".join(recommendation(ranked, gpu.memory_gib) + _selective_note(args, shape, gpu, ranked[0])))
+    if not shown:
+        return 1
+    print(format_table(shown[:args.top], gpu.memory_gib, moe=shape.moe is not None, cp=cp != 1))
     print(f"{sum(r.layout.fits for r in ranked)} of {len(ranked)} layouts fit {gpu.memory_gib:g} GiB, ranked by "
           "estimated step time (the rest by memory); memory and communication in GiB per GPU (the most loaded "
           "pipeline stage); see docs/plan.md")

@@ -132,8 +132,8 @@ def recommendation(ranked: list[Ranked], memory_gib: float) -> list[str]:
         if smallest is None:
             return ["no valid layout"]
         return [f"no layout fits {memory_gib:g} GiB: the smallest, {name(smallest.layout)}, needs "
-                f"{smallest.layout.total_bytes / GiB:.1f} GiB; try --recompute-granularity selective or full, "
-                "--sequence-parallel, more GPUs or a larger --gpu"]
+                f"{smallest.layout.total_bytes / GiB:.1f} GiB; try --recompute-granularity full (selective helps "
+                "only unfused attention), --sequence-parallel, more GPUs or a larger --gpu"]
     top = ranked[0]
     x, t = top.layout, top.time
     lines = [f"recommended: {name(x)}: fits in {x.total_bytes / GiB:.1f} GiB of {memory_gib:g}, "
