@@ -177,3 +177,18 @@ def test_bad_planner_values(capsys, bad):
     with pytest.raises(SystemExit):
         planner_main(LLAMA2_7B + bad)
     assert bad[0] in capsys.readouterr().err
+
+
+def test_recommendation_lines(capsys):
+    """The top layout first with its time split and the cheaper-in-memory alternative; the selective-
+    recompute note under flash attention; the smallest layout named when nothing fits."""
+    assert planner_main(LLAMA2_7B + ["--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("recommended: TP1 PP1 DP8 ZeRO-1: fits in ") and out[2].endswith(" s/step")
+    assert out[3].startswith("  time: compute ") and "(MFU 0.45 assumed)" in out[3] and "DP " in out[3]
+    assert " would save " in out[4] and out[4].endswith("% more time")
+    assert out[5].startswith("  selective recompute saves no memory with flash/fused attention")
+    assert len(out) == 6 + 2 + 3 + 1  # the table's head, rule, 3 rows, the closing line
+    assert planner_main(LLAMA2_7B + ["--gpu", "a100-40g", "--gpu-memory-gb", "1", "--fits-only"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("no layout fits 1 GiB: the smallest, ") and "--recompute-granularity full" in out[2]
