@@ -31,8 +31,8 @@ LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-
              "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
              "--global-batch-size 2048 --bf16 --vocab-size 32000 --recompute-activations --use-distributed-optimizer "
              "--use-flash-attn --world-size 8").split()
-# Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh: TP8 PP16, seq 2048, mbs 1, gbs 1536, fp16;
-# on 1024 A100-80G (DP 8), as in Narayanan et al. 2021's GPT-3 175B runs.
+# Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh: TP8 PP16, seq 2048, mbs 1, gbs 1536, fp16,
+# attention auto; the script sets no node count (one node cannot hold TP8 x PP16): 1024 A100-80G, DP 8.
 GPT3_175B = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
              "--max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536 --fp16 --vocab-size 50257 "
              "--attention-backend auto --world-size 1024 --gpu a100-80g").split()
