@@ -1,4 +1,6 @@
-"""Memory planner: per-GPU memory and communication of every (TP, PP, DP, ZeRO) layout.
+"""Layout planner: per-GPU memory, communication and estimated step time of every (TP, PP, DP, ZeRO)
+layout; the command line ranks those that fit by the time on a GPU preset (``--gpu``,
+:mod:`megazero.planner.presets`, :mod:`megazero.planner.timing`) and names the top one and why.
 
     python -m megazero.planner --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
         --seq-length 2048 --micro-batch-size 4 --vocab-size 50257 --world-size 16 --bf16
@@ -24,6 +26,8 @@ tries every CP dividing world / (TP PP)) splits each sequence over CP ranks with
 chunks (p2p) or CP (a2a), x TP with SP, and with a2a the heads and query groups per TP rank
 divisible by CP; ZeRO partitions over DP x CP.
 
+The attention backend (``--use-flash-attn``, ``--attention-backend``) decides whether a layer keeps
+Korthikanti's ``5 a s^2 b`` scores: only ``unfused``/``local`` do (:func:`megazero.planner.cli.attention_keeps_scores`).
 The formulas (parameters, ZeRO model states, activations, communication per step) are
 :mod:`megazero.model.memory`'s and, for the experts and CP, :mod:`megazero.model.expert_memory`'s
 and :mod:`megazero.model.cp_memory`'s, which the flags' checks use too.
