@@ -28,6 +28,8 @@ partial last batch is dropped).
 
 from __future__ import annotations
 
+import math
+
 RAMPUP_VERSION = "core_v0.17.1"  # the last Megatron-LM release whose calculator ramps the batch size up
 _SCALE = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 
@@ -36,7 +38,10 @@ def _number(text: str) -> int:
     """``"2.4B"`` -> 2400000000 (Megatron's ``_parse_numeric_value``: K/M/B/T suffixes)."""
     text = text.strip().upper()
     mult = _SCALE.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
+    value = float(text[:-1] if mult > 1 else text) * mult  # ValueError on words: the caller names the flag
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return int(value)
 
 
 def parse_batch_schedule(text: str, seq_length: int | None) -> list[tuple[int, int]]:

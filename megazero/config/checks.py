@@ -33,7 +33,8 @@ import torch
 from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
 from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
-from megazero.config.run_checks import check_required, check_run, check_values
+from megazero.config.domains import check_domains
+from megazero.config.run_checks import check_required, check_run
 from megazero.parallel.launch import current_rank
 
 
@@ -63,7 +64,7 @@ def derive(args) -> None:
     pp = args.pipeline_model_parallel_size
     args.data_parallel_size = args.world_size // model_parallel_product(args)  # CP excluded, as Megatron
     derive_cp(args)
-    if args.num_layers_per_virtual_pipeline_stage:
+    if args.num_layers_per_virtual_pipeline_stage and args.num_layers is not None:
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
     else:
         args.virtual_pipeline_model_parallel_size = None
@@ -86,11 +87,8 @@ def derive(args) -> None:
 
 
 def _validate_grid(err, args) -> None:
-    """TP, PP and CP at least 1, and TP x CP x PP divides the world size."""
+    """TP x CP x PP divides the world size (each at least 1: :mod:`.domains`)."""
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(args, name) < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if grid_valid(args) is False:
         cp = args.context_parallel_size
         err(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -139,12 +137,8 @@ def _validate_layout(err, args) -> None:
 
 
 def _validate_model(err, args) -> None:
-    """Positive sizes; hidden size, heads and query groups divisible as attention and TP need."""
+    """Hidden size, heads and query groups divisible as attention and TP need (sizes >= 1: :mod:`.domains`)."""
     tp = args.tensor_model_parallel_size
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     h, heads = args.hidden_size, args.num_attention_heads
     tp = tp if tp >= 1 else 1  # TP < 1 is _validate_grid's problem
     heads = heads if heads is None or heads >= 1 else None  # so is a head count < 1: nothing to divide by
@@ -182,20 +176,13 @@ def _validate_schedule(err, args) -> None:
         err("with --train-samples give --lr-decay-samples/--lr-warmup-samples, not --lr-decay-iters/--lr-warmup-iters")
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         err("--lr-warmup-fraction cannot be combined with --lr-warmup-iters or --lr-warmup-samples")
-    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
-        err(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
-    for name in ("lr_warmup_iters", "lr_warmup_samples"):
-        if getattr(args, name) < 0:
-            err(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         err("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive")
-    lr = args.lr if args.lr is not None and args.lr >= 0 else None  # a negative --lr is check_values' problem
+    lr = args.lr if args.lr is not None and args.lr >= 0 else None  # a negative or NaN --lr is .domains' problem
     if lr is not None and args.min_lr > lr:
         err(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if lr is not None and args.lr_warmup_init > lr:
         err(f"--lr-warmup-init {args.lr_warmup_init} exceeds --lr {args.lr}")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        err(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
 
 
 def _validate_batch_schedule(err, args) -> None:
@@ -278,13 +265,23 @@ def _first_only(check):
 
 
 def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
-    """Every problem the checks find, in order: the grid first, what a run needs after the flags'
+    """Every problem the checks find, in order: each numeric flag's domain (:mod:`.domains`; a
+    flag outside it is named once, by that line), the grid, what a run needs after the flags'
     own rules, then ``extra_checks`` (``pretrain_gpt.py``: the paths it names)."""
     problems = []
-    checks = [_validate_grid, check_values, _validate_model, _first_only(_validate_batch_schedule),
+    check_domains(problems.append, args)
+    outside = [p.split(" ", 1)[0] for p in problems]  # the flags whose value is outside its domain
+    checks = [_validate_grid, _validate_model, _first_only(_validate_batch_schedule),
               _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp]
     for check in checks + ([check_required, check_moe_training] if training else []) + list(extra_checks):
-        check(problems.append, args)
+        found = []
+        try:
+            check(found.append, args)
+        except (ArithmeticError, TypeError, ValueError):
+            if not outside:
+                raise
+            continue  # it computed with a value already named above (a size of 0, a NaN)
+        problems += [p for p in found if p.split(" ", 1)[0] not in outside]  # each flag named once
     return problems
 
 

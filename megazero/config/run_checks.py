@@ -1,6 +1,5 @@
 """What a run's values must be, checked with the flags (:func:`megazero.config.checks.validate`):
-counts that must be positive and rates that must not be negative, precision and ZeRO knobs, the
-tokenizer's name, and what a training run cannot start without (Megatron asserts these in
+precision, the tokenizer's name, the split, and what a training run cannot start without (Megatron asserts these in
 ``validate_args``). Each check is ``check(err, args)``; ``err`` records one problem."""
 
 from __future__ import annotations
@@ -21,37 +20,15 @@ def check_run(err, args) -> None:
     Megatron's first run of a requeue script: a warning, then training starts from scratch."""
     if args.fp16 and args.bf16:
         err("--fp16 and --bf16 are mutually exclusive")
-    if args.zero_stage not in (0, 1, 2, 3):
-        err(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
-    for dest in ("zero_reduce_bucket_size", "zero_prefetch_bucket_size",
-                 "zero_param_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance"):
-        if getattr(args, dest) < 0:
-            err(f"--{dest.replace('_', '-')} must be >= 0, got {getattr(args, dest)}")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         err(f"--load {args.load} is not a directory")
     if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZERS:
         err(f"--tokenizer-type {args.tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if args.lr_warmup_iters < 0:
-        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.data_path and args.split is not None:  # --split cuts a --data-path blend into train/valid/test
         try:
             parse_split(args.split)
         except DataError as e:
             err(str(e))
-
-
-def check_values(err, args) -> None:
-    """Counts that must be positive and rates that must not be negative, named before any work
-    (a 0 or negative value would otherwise fail as a division by zero or a misleading message)."""
-    for name in ("log_interval", "global_batch_size", "vocab_size", "train_iters", "train_samples",
-                 "eval_interval", "save_interval"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            err(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("lr", "min_lr", "eval_iters"):
-        value = getattr(args, name, None)
-        if value is not None and value < 0:
-            err(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
 
 def check_required(err, args) -> None:

@@ -27,6 +27,7 @@ greedy "largest error" rule, which keeps every prefix within one sample of the w
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import Callable, Sequence
 
@@ -48,8 +49,8 @@ def parse_split(split: str) -> list[float]:
         parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
     except ValueError:
         parts = []
-    if not parts or len(parts) > 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise DataError(f"--split {split!r}: expected up to three non-negative weights such as 969,30,1")
+    if not parts or len(parts) > 3 or not all(p >= 0 and math.isfinite(p) for p in parts) or sum(parts) <= 0:
+        raise DataError(f"--split {split!r}: expected up to three finite non-negative weights such as 969,30,1")
     parts += [0.0] * (3 - len(parts))
     total = sum(parts)
     return [p / total for p in parts]

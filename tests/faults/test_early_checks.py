@@ -112,7 +112,7 @@ def test_load_data_and_tokenizer_paths(capsys, tmp_path):
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     accepted(RUN + null + ["--data-path", "0.7", prefix, "0.3", prefix])
     assert refused(capsys, RUN + null + ["--data-path", prefix, "--split", "abc"]) == (
-        "--split 'abc': expected up to three non-negative weights such as 969,30,1")
+        "--split 'abc': expected up to three finite non-negative weights such as 969,30,1")
     os.remove(prefix + ".bin")
     assert refused(capsys, RUN + null + ["--data-path", prefix]) == f"--data-path {prefix}.bin: no such file"
     _dataset(prefix)

@@ -83,8 +83,8 @@ def test_megatron_defaults_and_derived_values():
     (["--num-experts", "4", "--expert-tensor-parallel-size", "3"], 4,
      "--expert-tensor-parallel-size 3 x --expert-model-parallel-size 1 x --pipeline-model-parallel-size 1 = 3"),
     (["--num-experts", "4", "--moe-router-topk", "5"], 4, "--moe-router-topk 5 must be between 1 and --num-experts 4"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], 4, "--moe-expert-capacity-factor 0.0 must be > 0"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "-1"], 4, "--moe-expert-capacity-factor -1.0 must be > 0"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], 4, "--moe-expert-capacity-factor must be > 0, got 0.0 (Megatron reads a negative value as dropless"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "-1"], 4, "--moe-expert-capacity-factor must be > 0, got -1.0 (Megatron reads a negative value as dropless"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 4,
      "--moe-token-dispatcher-type flex: the flex dispatcher runs DeepEP/HybridEP/NCCL EP kernels, not available "
      "here; use alltoall"),
