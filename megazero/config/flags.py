@@ -16,6 +16,7 @@ from megazero.config.megatron_flags import add_compat_flags
 from megazero.config.cp_flags import add_cp_flags
 from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
 from megazero.config.run_checks import TOKENIZERS
+from megazero.parallel.launch import current_rank
 
 
 def int_like(text: str) -> int:
@@ -224,8 +225,26 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None)
 
 
+class OneRankParser(argparse.ArgumentParser):
+    """An argument parser whose usage, errors and help are printed by global rank 0 only (the
+    launcher's ``RANK`` / ``SLURM_PROCID``, read before any process group): under ``torchrun
+    --nproc-per-node 4`` a bad flag is one message, not four; every rank still exits with the
+    same status."""
+
+    def print_usage(self, file=None):
+        if current_rank() == 0:
+            super().print_usage(file)
+
+    def print_help(self, file=None):
+        if current_rank() == 0:
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        super().exit(status, message if current_rank() == 0 else None)
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+    p = OneRankParser(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
     for add_flags in (add_model_flags, add_moe_flags, add_training_flags, add_evaluation_and_logging_flags,
                       add_checkpoint_flags, add_parallel_flags, add_data_flags):

@@ -47,6 +47,9 @@ def check_required(err, args) -> None:
     if not (args.data_path or args.mock_data or args.train_data_path):
         err("no training data: give --data-path PREFIX (or --train-data-path ...), or --mock-data with "
             "--vocab-size for synthetic tokens (Megatron-LM requires --mock-data too)")
+    if (args.data_path or args.train_data_path) and args.tokenizer_type is None and not args.load:
+        err(f"--tokenizer-type is required to read {'--data-path' if args.data_path else '--train-data-path'} "
+            f"(one of {', '.join(TOKENIZERS)}; NullTokenizer with --vocab-size for pre-tokenized ids)")
     if args.save_interval is not None and not args.save:
         warnings.warn(f"--save-interval {args.save_interval} without --save: no checkpoint will be written",
                       stacklevel=5)

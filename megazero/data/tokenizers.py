@@ -230,6 +230,8 @@ def build_tokenizer(config: TokenizerConfig):
         return GPT2BPETokenizer(need(config.vocab_file, "--vocab-file"), need(config.merge_file, "--merge-file"))
     if kind == "NullTokenizer":
         return NullTokenizer(need(config.vocab_size, "--vocab-size"))
+    if kind is None:
+        raise ValueError(f"--tokenizer-type is required: one of {', '.join(TOKENIZER_TYPES)}")
     raise ValueError(f"unknown --tokenizer-type {kind!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 
 

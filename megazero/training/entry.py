@@ -15,9 +15,17 @@ import torch.distributed as dist
 from megazero.checkpoint import CheckpointError
 from megazero.data.indexed_dataset import DataError
 from megazero.config.failures import debug_requested, report
-from megazero.parallel.launch import current_rank
+from megazero.parallel.launch import current_rank, detect_launch
 from megazero.training.build import build_configs, setup
 from megazero.training.signals import ExitSignal
+
+
+def speaks(rank: int) -> bool:
+    """Whether this rank prints its failure: every rank once the process group is up (a failure
+    there may be one rank's own); before it, the first rank of each node (the configs are built
+    from the same flags and files on every rank, so the ranks of a node would print the same
+    line: one message per single-node job, one per node where the nodes' files may differ)."""
+    return rank == 0 or dist.is_initialized() or detect_launch().local_rank == 0
 
 
 def pretrain(args, model_provider=None, forward_step_func=None) -> int:
@@ -40,10 +48,12 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
     except (CheckpointError, DataError) as e:  # worded for the user already: the file and the cause
         kind = "checkpoint error" if isinstance(e, CheckpointError) else "data error"
         trace = f"\n{traceback.format_exc()}" if debug else ""
-        print(f"rank {rank}: {kind}: {e}{trace}", file=sys.stderr, flush=True)
+        if speaks(rank):
+            print(f"rank {rank}: {kind}: {e}{trace}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # a full disk outside a checkpoint, a bug: one line unless --debug
-        report(e, f"rank {rank}: training failed", debug)
+        if speaks(rank):
+            report(e, f"rank {rank}: training failed", debug)
         return 1
     finally:
         if dist.is_initialized():
