@@ -7,7 +7,8 @@ DeepSpeed JSON config (``--deepspeed-config``, read as DeepSpeed reads it by
 :mod:`megazero.config.deepspeed_config`), validates and derives, all before any process group
 exists. Invalid input exits with status 2 and one ``prog: error: A; B; ...`` line that names the
 flags, paths and numbers of every problem found, printed by global rank 0 only (every rank exits
-with status 2); warnings are one ``WARNING: ...`` line each, by rank 0 only. Nothing here has side effects beyond reading
+with status 2). Problems worth a warning are Python warnings here; ``pretrain_gpt.py`` prints them
+as one ``WARNING: ...`` line each, by rank 0 only (:func:`megazero.config.failures.warnings_as_lines`). Nothing here has side effects beyond reading
 the config file (and ``--data-args-path``).
 
 Derived values, computed only in :func:`megazero.config.checks.derive` (called by ``parse_args``):
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from megazero.config.checks import derive, report, resolve_aliases, validate
 from megazero.config.deepspeed_config import apply_deepspeed_config
@@ -43,7 +43,6 @@ from megazero.config.flags import build_parser
 from megazero.config.megatron_flags import apply_megatron_flags
 from megazero.config.path_checks import PATH_CHECKS
 from megazero.config.run_checks import early_problems
-from megazero.parallel.launch import current_rank
 
 __all__ = ["Arguments", "build_parser", "parse_args"]
 
@@ -99,24 +98,6 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None, pro
     ``check(err, args)`` run on the valid, derived values (``pretrain_gpt.py``: free space for one
     checkpoint, which needs the model's size); their problems are listed the same way."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            return _parse(argv, world_size, prog, training, checks)
-        finally:
-            print_warnings(caught)
-
-
-def print_warnings(caught, file=None) -> None:
-    """The warnings of parsing and validation, as Megatron prints its own: one ``WARNING: ...``
-    line each (no source line), by global rank 0 only, each text once."""
-    if current_rank() != 0:
-        return
-    for text in dict.fromkeys(str(w.message) for w in caught):
-        print(f"WARNING: {text}", file=file or sys.stderr, flush=True)
-
-
-def _parse(argv, world_size, prog, training, checks) -> "Arguments":
     parser = build_parser(prog)
     args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()

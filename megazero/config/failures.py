@@ -10,10 +10,12 @@ the exception chain, which :func:`os_error_of` walks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 import traceback
+import warnings
 
 HINTS = {errno.ENOSPC: "free some space, or write elsewhere",
          errno.EDQUOT: "the disk quota is used up",
@@ -73,3 +75,18 @@ def report(e: BaseException, prefix: str, debug: bool, file=None) -> None:
         print(f"{line}\n{''.join(traceback.format_exception(e))}", file=file, flush=True)
     else:
         print(f"{line} [--debug or MEGAZERO_DEBUG=1 for the traceback]", file=file, flush=True)
+
+
+@contextlib.contextmanager
+def warnings_as_lines(rank: int, file=None):
+    """Within the block, Python warnings are collected; at its end (also on an error exit) each
+    distinct text is printed once as ``WARNING: text`` -- Megatron's form, without Python's
+    category and source line -- by global rank 0 only (``rank``: the launcher's, before any process
+    group), so a job of N ranks prints each warning once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for text in dict.fromkeys(str(w.message) for w in caught) if rank == 0 else ():
+                print(f"WARNING: {text}", file=file or sys.stderr, flush=True)
