@@ -1,4 +1,11 @@
 """megazero: 3D-parallel GPT pretraining (tensor, interleaved pipeline and ZeRO 0-3 data
-parallelism) over one explicit process-group topology. See README.md and docs/."""
+parallelism) over one explicit process-group topology, and ``megazero.initialize`` (DeepSpeed's
+API) for any ``torch.nn.Module``. See README.md and docs/."""
 
 __version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` for any module: see :func:`megazero.engine.initialize`."""
+    from megazero.engine import initialize as _initialize
+    return _initialize(*args, **kwargs)

@@ -283,10 +283,13 @@ def note_other_keys(m: Merge) -> None:
             m.notes["unknown, not read"].append(key)
 
 
-def apply_deepspeed_config(parser, args, explicit: set[str], env=os.environ) -> str:
+def apply_deepspeed_config(parser, args, explicit: set[str], env=os.environ, config: dict | None = None) -> str:
     """Merge ``args.deepspeed_config`` into ``args`` (see the module docstring); return the
-    start-up line (printed on rank 0, with one warning grouping the keys megazero does not read)."""
-    m = Merge(parser, args, explicit, load_config(parser, args.deepspeed_config), args.deepspeed_config)
+    start-up line (printed on rank 0, with one warning grouping the keys megazero does not read).
+    ``config``: the already-parsed JSON object (``megazero.initialize(config=dict)``); then
+    ``args.deepspeed_config`` only names it in messages."""
+    loaded = load_config(parser, args.deepspeed_config) if config is None else config
+    m = Merge(parser, args, explicit, loaded, args.deepspeed_config)
     opt = apply_optimizer(m)
     apply_zero(m)
     apply_batch(m)

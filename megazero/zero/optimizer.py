@@ -132,6 +132,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.iteration = self.skipped_iterations = self.nan_iterations = 0  # steps taken, skipped, NaN
         self.last_comm: dict = {}
         self._lr_ranges = None  # set_decoupled_params: per region, (other, decoupled) shard ranges
+        self._group_ranges = None  # set_param_groups: per group, per region, its shard ranges
 
     # ---- gradients -------------------------------------------------------------------------
     @property
@@ -147,6 +148,14 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         embedding and output layer); their pieces of this rank's shards are set apart here, once."""
         ids = {id(p) for p in params}
         self._lr_ranges = [split_shard_ranges(r, ids) for r in self.regions]
+
+    def set_param_groups(self, groups) -> None:
+        """User parameter groups (``torch.optim`` style, each a list of parameters, every
+        trainable parameter in exactly one): :meth:`apply_step` then takes one ``hparams`` dict
+        per group (``lr``, ``betas``, ``eps``, ``weight_decay``, applied to all of the group's
+        elements, as ``torch.optim.AdamW`` does) instead of the matrices-only decay."""
+        sets = [{id(p) for p in ps} for ps in groups]
+        self._group_ranges = [[split_shard_ranges(r, ids)[1] for r in self.regions] for ids in sets]
 
     @property
     def norm_group(self) -> str:
@@ -174,23 +183,24 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
             parts.append(zeros_in(pieces, self.device).reshape(1).float())
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def step(self, lr: float | None = None, decoupled_lr: float | None = None):
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None, hparams=None):
         """Unscale (and average over DP), check inf/NaN world-wide, clip, AdamW, write back:
         :meth:`grad_partials`, one all-reduce over :attr:`norm_group`, one host read, then
         :meth:`apply_step` (the training loop packs the partials with its own scalars instead).
         Returns ``(True, grad_norm)``, or ``(False, inf or nan)`` when the step was skipped."""
         sq = self.grad_partials()
         self.comm.all_reduce(sq, self.norm_group, async_op=False)
-        return self.apply_step(self.host.read(sq)[0], lr, decoupled_lr)
+        return self.apply_step(self.host.read(sq)[0], lr, decoupled_lr, hparams=hparams)
 
-    def apply_step(self, total_sq: float, lr: float | None = None, decoupled_lr: float | None = None):
+    def apply_step(self, total_sq: float, lr: float | None = None, decoupled_lr: float | None = None, hparams=None):
         """The step after :meth:`grad_partials`, given ``total_sq`` = the all-reduced sum of
         squared gradients (identical on every rank, so every rank skips or steps alike): skip
         on inf/NaN (fp16 overflow), else clip by ``min(1, clip / (norm + 1e-6))``, AdamW and
         the write-back of the parameters (with overlap: left in flight until the next forward).
 
         ``decoupled_lr``: the rate of the parameters given to :meth:`set_decoupled_params` (their
-        weight decay ``p *= 1 - lr * wd`` too, as a torch param group's); None: ``lr`` for all."""
+        weight decay ``p *= 1 - lr * wd`` too, as a torch param group's); None: ``lr`` for all.
+        ``hparams``: after :meth:`set_param_groups`, one settings dict per group."""
         grads, self._grads = self._grads, None
         lr = self.lr if lr is None else lr
         if not math.isfinite(total_sq):
@@ -204,8 +214,12 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         self.iteration += 1
-        groups = [(lr, [[(0, r.shard_len)] for r in self.regions])]
-        if decoupled_lr is not None and self._lr_ranges is not None:
+        if hparams is not None:
+            self._group_step(grads, hparams)
+            groups = []
+        else:
+            groups = [(lr, [[(0, r.shard_len)] for r in self.regions])]
+        if decoupled_lr is not None and self._lr_ranges is not None and groups:
             groups = [(lr, [main for main, _ in self._lr_ranges]), (decoupled_lr, [d for _, d in self._lr_ranges])]
         for group_lr, ranges in groups:
             for lists, decay_grads in shard_slices(self.regions, grads, ADAM_SLICE, ranges):
@@ -219,6 +233,16 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
                 pending.wait()
         self._end_step(found_inf=False)
         return True, norm
+
+    def _group_step(self, grads, hparams) -> None:
+        """Adam(W) group by group over each group's shard ranges (:meth:`set_param_groups`)."""
+        if self._group_ranges is None or len(hparams) != len(self._group_ranges):
+            raise ValueError("apply_step(hparams=...) needs one dict per group given to set_param_groups")
+        for h, ranges in zip(hparams, self._group_ranges):
+            for lists, decay_grads in shard_slices(self.regions, grads, ADAM_SLICE, ranges, decay_all=True):
+                adamw_step(*lists, step=self.iteration, lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],
+                           decay_grads=decay_grads, weight_decay=h["weight_decay"],
+                           decoupled=self.decoupled_weight_decay)
 
     def wait_params(self) -> None:
         """Finish the parameter all-gathers still in flight (``--overlap-param-gather``) before
