@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import checkpoint
 from .checks import check_unchanged, parameter_signature
 
 
@@ -115,6 +116,21 @@ class ZeroEngine(nn.Module):
         """The module's full ``state_dict`` (gathered at stage 3), cloned."""
         with self.zero.gathered_params():
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    # ---- checkpoints (megazero.engine.checkpoint) -----------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Every rank writes its shards to ``save_dir/tag`` (default tag ``global_step{N}``, as
+        DeepSpeed); collective. Returns the folder."""
+        if not save_latest:
+            raise ValueError("engine.save_checkpoint(save_latest=False) is not available: 'latest' is always written")
+        return checkpoint.save(self, save_dir, tag if tag is not None else f"global_step{self.global_steps}",
+                               client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True):
+        """Load a checkpoint saved at any DP size or ZeRO stage; ``(folder, client_state)``."""
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def destroy(self) -> None:
         """Remove every hook the engine registered on the module."""

@@ -1,0 +1,188 @@
+"""The engine's checkpoints: sharded as trained, loadable at another DP size or ZeRO stage, and
+consolidated into one fp32 state dict (what DeepSpeed users get from ``zero_to_fp32.py``).
+
+Layout of ``{dir}/{tag}/`` (``{dir}/latest`` holds the last tag, as DeepSpeed writes it)::
+
+    engine_meta.json        rank 0: DP size, stage, engine counters, parameter names/shapes, aliases
+    zero_rank_{r:05d}.pt    rank r: its regions' layout ([name, offset, numel], padded, shard_lo,
+                            shard_len) and its fp32 master / exp_avg / exp_avg_sq shards, the
+                            ZeRO counters and loss scaler
+    module_buffers.pt       rank 0: the module's persistent buffers (state_dict minus parameters)
+    client_state.pt         rank 0: LR scheduler state and the caller's ``client_state``
+
+Nothing is gathered to save: each rank writes what it owns (at stage 3 the masters are the
+parameters' only full-precision copy). Loading maps every parameter element to the saved shard
+that holds it (each parameter is ``[offset, offset + numel)`` of its region; a rank's shard is
+``[shard_lo, shard_lo + shard_len)``), so a rank reads only the overlap of the saved pieces with
+its own shard (files opened with ``mmap``), whatever DP size, bucket sizes or units saved them.
+Everything loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "megazero-engine-1"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _rank_file(folder: str, r: int) -> str:
+    return os.path.join(folder, f"zero_rank_{r:05d}.pt")
+
+
+def names(module) -> tuple[dict, dict]:
+    """(id(param) -> canonical name, alias name -> canonical name) of the module's parameters."""
+    name_of, aliases = {}, {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in name_of:
+            aliases[n] = name_of[id(p)]
+        else:
+            name_of[id(p)] = n
+    return name_of, aliases
+
+
+def persistent_buffers(module) -> dict:
+    """The buffers ``module.state_dict()`` would hold, without calling it (at stage 3 that
+    gathers every unit, a collective); a buffer registered ``persistent=False`` is left out, as
+    torch leaves it out (its ``_non_persistent_buffers_set``, read, as DeepSpeed reads it)."""
+    out = {}
+    for prefix, m in module.named_modules():
+        skip = getattr(m, "_non_persistent_buffers_set", set())
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in skip:
+                out[f"{prefix}.{name}" if prefix else name] = b.detach().cpu().clone()
+    return out
+
+
+def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> str:
+    """Write this rank's part (collective: every rank calls it). Returns the folder."""
+    folder = os.path.join(save_dir, str(tag))
+    os.makedirs(folder, exist_ok=True)
+    zero, module = engine.zero, engine.module
+    zero.wait_params()
+    name_of, aliases = names(module)
+    torch.save({"layout": zero.layout(name_of), "shards": [r.shard_state(copy=False) for r in zero.regions],
+                "counters": zero.state_dict(shards=False)}, _rank_file(folder, engine.topo.rank))
+    if engine.topo.rank == 0:
+        params = dict(module.named_parameters())
+        buffers = persistent_buffers(module)
+        torch.save(buffers, os.path.join(folder, "module_buffers.pt"))
+        sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        torch.save({"lr_scheduler": sched, "client_state": client_state or {}},
+                   os.path.join(folder, "client_state.pt"))
+        meta = {"format": FORMAT, "dp": engine.topo.dp, "stage": engine.config.stage,
+                "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
+                "params": {n: list(p.shape) for n, p in params.items()}, "aliases": aliases}
+        with open(os.path.join(folder, "engine_meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+    dist.barrier()
+    if engine.topo.rank == 0:
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write(str(tag))
+    dist.barrier()
+    return folder
+
+
+def resolve(load_dir: str, tag: str | None) -> tuple[str, dict]:
+    """(the checkpoint folder, its metadata); ``tag`` None: the one named in ``latest``."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"engine.load_checkpoint: no tag given and no {latest}")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(load_dir, str(tag))
+    path = os.path.join(folder, "engine_meta.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"engine.load_checkpoint: {path} not found (not a megazero engine checkpoint)")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"engine.load_checkpoint: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return folder, meta
+
+
+class SavedShards:
+    """Every saved rank's shards, opened with ``mmap``: ``pieces[name]`` = ``[(a, b, rank, region,
+    lo)]``: elements ``[a, b)`` of parameter ``name`` are elements ``[lo, lo + b - a)`` of that
+    rank's region shard."""
+
+    def __init__(self, folder: str, dp: int):
+        self.files = [torch.load(_rank_file(folder, r), map_location="cpu", mmap=True, weights_only=True)
+                      for r in range(dp)]
+        self.pieces: dict[str, list] = {}
+        for r, saved in enumerate(self.files):
+            for k, region in enumerate(saved["layout"]):
+                lo, hi = region["shard_lo"], region["shard_lo"] + region["shard_len"]
+                for name, o, n in region["params"]:
+                    a, b = max(o, lo), min(o + n, hi)
+                    if a < b:
+                        self.pieces.setdefault(name, []).append((a - o, b - o, r, k, a - lo))
+
+    def read(self, name: str, kind: str, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of the flattened saved ``kind`` of parameter ``name``."""
+        out = torch.empty(b - a, dtype=torch.float32)
+        filled = 0
+        for pa, pb, r, k, lo in self.pieces.get(name, []):
+            x, y = max(a, pa), min(b, pb)
+            if x < y:
+                out[x - a:y - a] = self.files[r]["shards"][k][kind][lo + x - pa:lo + y - pa]
+                filled += y - x
+        if filled != b - a:
+            raise ValueError(f"engine.load_checkpoint: the checkpoint lacks elements of parameter {name!r}")
+        return out
+
+    def full(self, name: str, shape) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        return self.read(name, "master", 0, n).view(shape)
+
+
+def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True):
+    """Fill the engine from a checkpoint saved at any DP size / stage (collective). Returns
+    ``(folder, client_state)`` as DeepSpeed's ``load_checkpoint`` does."""
+    folder, meta = resolve(load_dir, tag)
+    zero, module = engine.zero, engine.module
+    name_of, _ = names(module)
+    mine = {n: list(p.shape) for n, p in module.named_parameters()}
+    if mine != meta["params"]:
+        diff = next((n for n in sorted(set(mine) | set(meta["params"])) if mine.get(n) != meta["params"].get(n)), "?")
+        raise ValueError(f"engine.load_checkpoint: {folder} holds another model (parameter {diff!r}: saved "
+                         f"{meta['params'].get(diff)}, here {mine.get(diff)})")
+    saved = SavedShards(folder, meta["dp"])
+    kinds = KINDS if load_optimizer_states else ("weight",)
+
+    def fetch(p, kind, a, b):
+        return saved.read(name_of[id(p)], "master" if kind == "weight" else kind, a, b)
+    zero.load_param_ranges(fetch, kinds)
+    if load_optimizer_states:
+        zero.load_counters(saved.files[0]["counters"])
+    buffers = torch.load(os.path.join(folder, "module_buffers.pt"), map_location="cpu", weights_only=True)
+    with torch.no_grad():  # set in place: a module load_state_dict would re-read (round) the masters
+        for key, value in buffers.items():
+            module.get_buffer(key).copy_(value)
+    extra = torch.load(os.path.join(folder, "client_state.pt"), weights_only=True)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    for key in ("global_steps", "micro_steps", "skipped_steps", "global_samples"):
+        setattr(engine, key, meta[key])
+    return folder, extra["client_state"]
+
+
+def consolidated_state_dict(load_dir: str, tag: str | None = None) -> dict:
+    """One fp32 ``state_dict`` (parameters from the masters under every name, tied aliases
+    included, and the buffers) of a checkpoint, on the CPU, in one process: ``zero_to_fp32``."""
+    folder, meta = resolve(load_dir, tag)
+    saved = SavedShards(folder, meta["dp"])
+    out = {name: saved.full(name, shape).clone() for name, shape in meta["params"].items()}
+    for alias, name in meta["aliases"].items():
+        out[alias] = out[name]
+    out.update(torch.load(os.path.join(folder, "module_buffers.pt"), map_location="cpu", weights_only=True))
+    return out
