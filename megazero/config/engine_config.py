@@ -80,6 +80,15 @@ def _load(config) -> tuple[dict, str]:
     raise ValueError(f"megazero.initialize: config must be a path or a dict, got {type(config).__name__}")
 
 
+def config_source(config, config_params, args):
+    """The ds_config ``initialize`` was given: ``config``, DeepSpeed's alias ``config_params``,
+    or an argparse namespace's ``deepspeed_config`` (DeepSpeed's ``args``), in that order."""
+    for given in (config, config_params, getattr(args, "deepspeed_config", None)):
+        if given is not None:
+            return given
+    raise ValueError("megazero.initialize: config= (a ds_config path or dict) is required")
+
+
 def read_engine_config(config, dp_size: int, rank: int = 0, client: dict | None = None) -> EngineConfig:
     """The :class:`EngineConfig` of ``config`` (path or dict) at data-parallel size ``dp_size``
     (see the module docstring); ``client``: a client optimizer's first param group's settings."""

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.config.engine_config import read_engine_config
+from megazero.config.engine_config import config_source, read_engine_config
 from megazero.parallel.topology import Topology
 from megazero.zero import ZeroOptimizer
 
@@ -135,11 +135,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if training_data is not None:
         raise ValueError("megazero.initialize: training_data is not available; build your DataLoader with a "
                          "DistributedSampler (rank = dist.get_rank()) and pass none here")
-    config = config if config is not None else config_params
-    if config is None and getattr(args, "deepspeed_config", None):
-        config = args.deepspeed_config
-    if config is None:
-        raise ValueError("megazero.initialize: config= (a ds_config path or dict) is required")
+    config = config_source(config, config_params, args)
     _process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     check_same_model(model)
