@@ -11,6 +11,10 @@ RSS before the model is built; CPU tensors have no allocator statistics).
 
     python bench/zero_stage3.py                     # box-sized defaults, 3 rounds
     python bench/zero_stage3.py --rounds 1 --iters 2 --hidden 64 --layers 2   # smoke
+    python bench/zero_stage3.py --knobs             # stage 3: each knob of the block alone
+
+The ratio column: ZeRO-3 / ZeRO-2 of the same system and block (with ``--knobs``: / the same
+system's stage 3 with the defaults).
 
 One optimizer step per iteration (gradient_accumulation_steps 1), fp32, AdamW (DeepSpeed:
 ``torch_adam``, its CPU build has no fused Adam), no clipping.
@@ -36,9 +40,18 @@ SEED_BLOCK = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "s
               "stage3_gather_16bit_weights_on_model_save": True}
 
 
+# --knobs: one knob of the seed's block at a time (the rest at DeepSpeed's defaults)
+ONE_KNOB = {"reduce_bucket_size=1": {"reduce_bucket_size": 1}, "prefetch=1": {"stage3_prefetch_bucket_size": 1},
+            "persistence=1": {"stage3_param_persistence_threshold": 1}}
+
+
 def zero_block(stage: int, block: str) -> dict:
-    """DeepSpeed's defaults (only the stage given) or the seed's block at this stage."""
-    return {"stage": stage} if block == "defaults" else dict(SEED_BLOCK, stage=stage)
+    """DeepSpeed's defaults (only the stage given), the seed's block, or one of its knobs."""
+    if block == "defaults":
+        return {"stage": stage}
+    if block in ONE_KNOB:
+        return dict(ONE_KNOB[block], stage=stage)
+    return dict(SEED_BLOCK, stage=stage)
 
 
 def ds_config(stage: int, block: str, micro: int, system: str) -> dict:
@@ -144,12 +157,17 @@ def main(argv=None) -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--json", default=None, help="also write the raw figures here")
+    p.add_argument("--knobs", action="store_true", help="stage 3 only: defaults, each knob of the block alone, "
+                   "the whole block")
     a = p.parse_args(argv)
     sizes = {"hidden": a.hidden, "layers": a.layers, "heads": max(1, a.hidden // 64), "vocab": a.vocab,
              "seq": a.seq, "micro": a.micro}
     from megazero.testing import run_distributed
     systems = ["megazero"] + ([] if a.no_deepspeed or not _deepspeed_available() else ["deepspeed"])
-    runs = [(s, stage, block) for block in ("defaults", "seed block") for stage in (2, 3) for s in systems]
+    blocks, stages = ("defaults", "seed block"), (2, 3)
+    if a.knobs:
+        blocks, stages = ("defaults", *ONE_KNOB, "seed block"), (3,)
+    runs = [(s, stage, block) for block in blocks for stage in stages for s in systems]
     got = {r: [] for r in runs}
     for rnd in range(a.rounds):
         for r in (runs if rnd % 2 == 0 else runs[::-1]):
@@ -160,14 +178,14 @@ def main(argv=None) -> None:
     n = sum(p.numel() for p in roberta(sizes).parameters())
     print(f"RoBERTa MLM {n / 1e6:.2f}M parameters, DP {a.dp}, micro-batch {a.micro} x seq {a.seq}, fp32, "
           f"{a.rounds} interleaved rounds x {a.iters} iterations (median)")
-    print(f"{'system':10} {'zero block':11} {'stage':>5} {'s/iter':>8} {'3/2':>6} {'coll/step':>10} "
+    print(f"{'system':10} {'zero block':21} {'stage':>5} {'s/iter':>8} {'ratio':>6} {'coll/step':>10} "
           f"{'MB/step':>9} {'peak MB':>8}")
     table = {}
     for (s, stage, block), rows in got.items():
         table[(s, stage, block)] = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
     for (s, stage, block), m in table.items():
-        ratio = m["time"] / table[(s, 2, block)]["time"]
-        print(f"{s:10} {block:11} {stage:>5} {m['time']:8.3f} {ratio:6.2f} {m['calls']:10.0f} "
+        ratio = m["time"] / (table[(s, 3, "defaults")] if a.knobs else table[(s, 2, block)])["time"]
+        print(f"{s:10} {block:21} {stage:>5} {m['time']:8.3f} {ratio:6.2f} {m['calls']:10.0f} "
               f"{m['bytes'] / 2 ** 20:9.1f} {m['peak_mb']:8.0f}")
     if a.json:
         with open(a.json, "w") as f:
