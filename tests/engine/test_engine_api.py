@@ -116,3 +116,58 @@ def test_errors_are_one_line():
         assert "'prescale_gradients'" in out["refused"] and "changes training" in out["refused"]
         assert "rank 1's model differs from rank 0's" in out["ranks"] and "'0.weight:(8, 4)" in out["ranks"]
         assert all("\n" not in m for m in out.values())
+
+
+class _Twice(nn.Module):
+    """A block list whose first block runs twice per forward (weights used twice, a module
+    called twice), and a head tied to the input embedding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = self.blocks[1](self.blocks[0](self.blocks[0](h)))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def _twice(rank, world, data):
+    import megazero
+    engine, *_ = megazero.initialize(model=_Twice(), config=dict(CFG, optimizer={"type": "AdamW", "params": {
+        "lr": 1e-2}}, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                         "stage3_max_reuse_distance": 0}))
+    assert len(engine.zero.gatherer.units) == 2  # the two blocks; the root holds only the tied matrix (whole)
+    losses = []
+    for step in data:
+        for ids in step[rank]:
+            loss = engine(ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses, engine.module_state_dict()
+
+
+def test_module_called_twice_and_tied_weights_at_zero3():
+    g = torch.Generator().manual_seed(9)
+    data = [[[torch.randint(0, 16, (2, 5), generator=g) for _ in range(2)] for _ in range(2)] for _ in range(3)]
+    model = _Twice()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    want = []
+    for step in data:
+        for rank in step:
+            for ids in rank:
+                loss = model(ids)
+                (loss / 4).backward()
+                want.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    for rank, (losses, state) in enumerate(run_distributed(_twice, 2, data, timeout_s=120)):
+        mine = [want[s * 4 + rank * 2 + m] for s in range(3) for m in range(2)]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, mine)), (losses, mine)
+        for k, v in model.state_dict().items():
+            assert (state[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
