@@ -21,6 +21,12 @@ Build order, once, with the reason for each step:
    settings as the defaults;
 7. the LR scheduler: the config's ``scheduler`` block, else ``lr_scheduler`` (an object with
    ``step()``, or a callable taking the optimizer, as DeepSpeed accepts).
+
+A model too large for one rank is built on the meta device (``with torch.device("meta"):``; its
+buffers on a real device) and given ``param_init(name, param) -> tensor``: each ZeRO region
+materializes its own parameters from it, so at stage 3 a rank holds at most one unit's full
+parameters while building (``engine.zero.build_peak_unit_bytes``), the role of DeepSpeed's
+``zero.Init``.
 """
 
 from __future__ import annotations
@@ -101,14 +107,33 @@ def _units(module: nn.Module, zero_units):
     return [out]
 
 
-def _prepare(module: nn.Module, cfg) -> None:
-    if cfg.params_dtype != torch.float32:
-        module.to(cfg.params_dtype)
-    if dist.get_backend() == "nccl":
-        module.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+def _prepare(module: nn.Module, cfg, param_init):
+    """Cast and place the module; for a meta-device model, check it and return ``(the regions'
+    param_init, the device)``, else ``(None, None)``."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else None
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if not meta:
+        module.to(dtype=cfg.params_dtype if cfg.params_dtype != torch.float32 else None, device=device)
+        return None, None
+    if param_init is None:
+        raise ValueError(f"megazero.initialize: parameter {meta[0]!r} is on the meta device; pass "
+                         "param_init=(name, param) -> tensor to materialize it")
+    bad = next((n for n, b in module.named_buffers() if b.is_meta), None)
+    if bad is not None:
+        raise ValueError(f"megazero.initialize: buffer {bad!r} is on the meta device; build buffers on a real device")
+    frozen = next((n for n, p in module.named_parameters() if p.is_meta and not p.requires_grad), None)
+    if frozen is not None:
+        raise ValueError(f"megazero.initialize: frozen parameter {frozen!r} is on the meta device (only trainable "
+                         "parameters are materialized by ZeRO)")
+    module.to(dtype=cfg.params_dtype if cfg.params_dtype != torch.float32 else None)
+    if device is not None:
+        for b in module.buffers():
+            b.data = b.data.to(device)
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return (lambda p: param_init(name_of[id(p)], p)), device or torch.device("cpu")
 
 
-def _zero(module, topo, cfg, units) -> ZeroOptimizer:
+def _zero(module, topo, cfg, units, materialize) -> ZeroOptimizer:
     return ZeroOptimizer(
         module, topo, stage=cfg.stage, num_micro_batches=cfg.gradient_accumulation_steps, lr=cfg.lr,
         weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps, clip_grad=cfg.gradient_clipping,
@@ -117,16 +142,18 @@ def _zero(module, topo, cfg, units) -> ZeroOptimizer:
         loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
         reduce_bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
         prefetch_bucket_size=cfg.prefetch_bucket_size, param_persistence_threshold=cfg.param_persistence_threshold,
-        max_live_parameters=cfg.max_live_parameters, max_reuse_distance=cfg.max_reuse_distance, units=units)
+        max_live_parameters=cfg.max_live_parameters, max_reuse_distance=cfg.max_reuse_distance, units=units,
+        param_init=materialize[0], device=materialize[1])
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, config=None, config_params=None, zero_units=None,
-               **unsupported):
+               param_init=None, **unsupported):
     """Wrap ``model`` for ZeRO data-parallel training; returns ``(engine, optimizer, None,
     lr_scheduler)`` as ``deepspeed.initialize`` does (see the module docstring). ``config`` (or
     DeepSpeed's alias ``config_params``): a ds_config path or dict. ``zero_units``: stage-3 unit
-    modules (or names). ``args`` is accepted for DeepSpeed's signature and must not carry a
+    modules (or names). ``param_init``: values of a meta-device model's parameters (module
+    docstring). ``args`` is accepted for DeepSpeed's signature and must not carry a
     config (pass ``config=``)."""
     if unsupported:
         raise ValueError(f"megazero.initialize: unsupported argument(s) {', '.join(sorted(unsupported))}")
@@ -145,9 +172,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("megazero.initialize: lr_scheduler was passed and the config has a 'scheduler' block; "
                          "give one of them")
     groups = _param_groups(model, model_parameters, optimizer)
-    _prepare(model, cfg)
+    materialize = _prepare(model, cfg, param_init)
     topo = Topology(world, rank).create_groups()
-    zero = _zero(model, topo, cfg, _units(model, zero_units))
+    zero = _zero(model, topo, cfg, _units(model, zero_units), materialize)
     defaults = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     opt = EngineOptimizer(zero, groups, defaults)
     if cfg.scheduler is not None:
