@@ -149,10 +149,14 @@ def _twice(rank, world, data):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        engine.eval()  # an evaluation forward between steps gathers and releases as well
+        with torch.no_grad():
+            assert abs(engine(step[rank][0]).item() - losses[-2]) > 0  # the step changed the weights
+        engine.train()
     return losses, engine.module_state_dict()
 
 
-def test_module_called_twice_and_tied_weights_at_zero3():
+def test_module_called_twice_tied_weights_and_eval_at_zero3():
     g = torch.Generator().manual_seed(9)
     data = [[[torch.randint(0, 16, (2, 5), generator=g) for _ in range(2)] for _ in range(2)] for _ in range(3)]
     model = _Twice()
