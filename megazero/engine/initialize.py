@@ -12,7 +12,7 @@ Build order, once, with the reason for each step:
    moved to this rank's GPU under NCCL;
 5. the ZeRO optimizer over the whole module as one chunk: stage 3 units are ``zero_units``
    (modules or their names) or, by default, every child of an ``nn.ModuleList``/``ModuleDict``
-   (a transformer layer), the rest in one root unit; parameters registered in two modules (tied
+   (a transformer layer), else blocks chosen by size (:mod:`.units`), the rest in one root unit; parameters registered in two modules (tied
    embeddings) or smaller than ``stage3_param_persistence_threshold`` stay whole
    (:mod:`megazero.zero.regions`);
 6. the param groups as the user passed them (``model_parameters``: parameters or dicts with
@@ -45,6 +45,7 @@ from .checks import check_registered, check_same_model, slow_knobs
 from .engine import ZeroEngine
 from .optimizer import EngineOptimizer
 from .scheduler import GroupLRScheduler
+from .units import default_units
 
 
 def _process_group() -> None:
@@ -91,9 +92,10 @@ def _param_groups(module: nn.Module, model_parameters, client) -> list[dict]:
 
 
 def _units(module: nn.Module, zero_units):
-    """``zero_units`` as modules (names resolved with ``get_submodule``), or None: the default."""
+    """``zero_units`` as modules (names resolved with ``get_submodule``), or the default
+    (:func:`~.units.default_units`)."""
     if zero_units is None:
-        return None
+        return default_units(module)
     out = []
     for u in zero_units:
         if isinstance(u, str):
