@@ -74,19 +74,22 @@ class ZeroEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
-        """Scale by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale), backward."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Scale by ``1 / gradient_accumulation_steps`` (unless ``scale_wrt_gas`` is False, as in
+        DeepSpeed) and the fp16 loss scale, backward."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         if not loss.requires_grad:
             raise ValueError("engine.backward(loss): the loss does not require grad (was the forward run "
                              "under torch.no_grad() or engine.eval()?)")
-        scaled = loss.float() * (self.zero.loss_scale / self.config.gradient_accumulation_steps)
+        gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
+        scaled = loss.float() * (self.zero.loss_scale / gas)
         scaled.backward(retain_graph=retain_graph)
         return loss
 
-    def step(self) -> None:
-        """One micro-step; the optimizer and scheduler step at an accumulation boundary."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """One micro-step; the optimizer and scheduler (``step(**lr_kwargs)``) step at an
+        accumulation boundary."""
         check_unchanged(self.module, self._signature)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -97,7 +100,7 @@ class ZeroEngine(nn.Module):
         if not stepped:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
 
     def zero_grad(self) -> None:

@@ -149,10 +149,13 @@ def _zero(module, topo, cfg, units, materialize) -> ZeroOptimizer:
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, config=None, config_params=None, zero_units=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None, zero_units=None,
                param_init=None, **unsupported):
     """Wrap ``model`` for ZeRO data-parallel training; returns ``(engine, optimizer, None,
-    lr_scheduler)`` as ``deepspeed.initialize`` does (see the module docstring). ``config`` (or
+    lr_scheduler)`` as ``deepspeed.initialize`` does (see the module docstring), with its
+    signature (deepspeed/__init__.py 0.19.8; ``distributed_port`` is not used: the process group
+    comes from torchrun's environment). ``optimizer`` may be a callable of the parameters. ``config`` (or
     DeepSpeed's alias ``config_params``): a ds_config path or dict. ``zero_units``: stage-3 unit
     modules (or names). ``param_init``: values of a meta-device model's parameters (module
     docstring). ``args`` is accepted for DeepSpeed's signature and must not carry a
@@ -161,9 +164,16 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError(f"megazero.initialize: unsupported argument(s) {', '.join(sorted(unsupported))}")
     if not isinstance(model, nn.Module):
         raise ValueError("megazero.initialize: model= must be a torch.nn.Module")
-    if training_data is not None:
+    if training_data is not None or collate_fn is not None:
         raise ValueError("megazero.initialize: training_data is not available; build your DataLoader with a "
                          "DistributedSampler (rank = dist.get_rank()) and pass none here")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("megazero.initialize: mpu / mesh_param (model parallelism of the user's module) are not "
+                         "available; the engine is data-parallel (ZeRO) over all ranks")
+    if dist_init_required is False and not dist.is_initialized():
+        raise ValueError("megazero.initialize: dist_init_required=False but torch.distributed is not initialized")
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
     config = config_source(config, config_params, args)
     _process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
