@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 import transformers
 
-import megazero
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # this checkout's megazero, installed or not
+import megazero  # noqa: E402
 
 
 def main() -> None:
