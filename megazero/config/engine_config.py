@@ -96,7 +96,7 @@ def read_engine_config(config, dp_size: int, rank: int = 0, client: dict | None 
     if client is not None and "optimizer" in loaded:
         raise ValueError("megazero.initialize: an optimizer was passed and the config has an 'optimizer' block; "
                          "give one of them (DeepSpeed refuses both too)")
-    parser = build_parser("megazero.initialize")
+    parser = build_parser("megazero.initialize", every_rank=True)  # the message is raised, not printed
     args = parser.parse_args([], namespace=argparse.Namespace())
     args.world_size, args.deepspeed_config = dp_size, name
     explicit = set()

@@ -243,8 +243,10 @@ class OneRankParser(argparse.ArgumentParser):
         super().exit(status, message if current_rank() == 0 else None)
 
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = OneRankParser(prog=prog, allow_abbrev=False,
+def build_parser(prog: str | None = None, every_rank: bool = False) -> argparse.ArgumentParser:
+    """The parser; its messages by rank 0 only (:class:`OneRankParser`) unless ``every_rank``
+    (a caller that captures the message itself, e.g. ``megazero.initialize``)."""
+    p = (argparse.ArgumentParser if every_rank else OneRankParser)(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
     for add_flags in (add_model_flags, add_moe_flags, add_training_flags, add_evaluation_and_logging_flags,
                       add_checkpoint_flags, add_parallel_flags, add_data_flags):
