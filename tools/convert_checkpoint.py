@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -53,10 +54,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.checkpoint import files, schema  # noqa: E402
+from megazero.checkpoint.guard import check_output  # noqa: E402
 from megazero.checkpoint.reader import CheckpointReader  # noqa: E402
 from megazero.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: E402
 from megazero.checkpoint.schema import CheckpointError  # noqa: E402
 from megazero.checkpoint.torch_stream import save_streamed  # noqa: E402
+from megazero.config.failures import debug_requested, describe  # noqa: E402
 from megazero.model import hf as hfmap  # noqa: E402
 from megazero.model.config import GPTConfig  # noqa: E402
 
@@ -238,10 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--load", required=True)
     a.add_argument("--iteration", type=int, default=None)
     a.add_argument("--output", required=True)
+    a.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     b = sub.add_parser("to-hf")
     b.add_argument("--load", required=True)
     b.add_argument("--iteration", type=int, default=None)
     b.add_argument("--output", required=True)
+    b.add_argument("--overwrite", action="store_true", help="write into a non-empty --output folder")
     b.add_argument("--arch", choices=list(hfmap.ARCHS), default=None,
                    help="default: mixtral / qwen2_moe (a shared expert) for MoE, else llama with RoPE, else gpt2")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -264,6 +269,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.time()
     try:
+        check_outputs(args)
         if args.cmd == "to-fp32":
             out = to_fp32(args.load, args.output, args.iteration)
             print(f"wrote {len(out)} fp32 tensors ({sum(t.numel() for t in out.values()):,} parameters) to "
@@ -272,10 +278,6 @@ def main(argv=None) -> int:
             to_hf(args.load, args.output, args.iteration, args.arch, args.dtype)
             print(f"wrote {args.output}/config.json and model.safetensors in {time.time() - t0:.2f} s")
         else:
-            if os.path.exists(args.save) and (not os.path.isdir(args.save) or os.listdir(args.save)):
-                raise CheckpointError(f"--save {args.save} is not an empty folder: importing there would move a "
-                                      "run's pointer to this checkpoint (its later iterations overwritten); "
-                                      "choose a new folder")
             if args.cmd == "from-hf":
                 (config, tokenizer), it = from_hf(args.hf, args.save, args.iteration, args.dtype), args.iteration
             else:
@@ -286,7 +288,26 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError) as e:  # a damaged input
+        print(f"convert_checkpoint.py {args.cmd}: error: {describe(e)} [a damaged or truncated input file? "
+              "MEGAZERO_DEBUG=1 for the traceback]", file=sys.stderr)
+        if debug_requested():
+            raise
+        return 1
     return 0
+
+
+def check_outputs(args) -> None:
+    """Before reading anything: the output is not inside a checkpoint, and replaces nothing
+    without ``--overwrite``; an import's ``--save`` is a new or empty folder."""
+    if args.cmd in ("to-fp32", "to-hf"):
+        check_output(args.output, "--output", args.overwrite, folder=args.cmd == "to-hf")
+        return
+    check_output(args.save, "--save", True, folder=True)  # inside a checkpoint: refused
+    if os.path.exists(args.save) and (not os.path.isdir(args.save) or os.listdir(args.save)):
+        raise CheckpointError(f"--save {args.save} is not an empty folder: importing there would move a "
+                              "run's pointer to this checkpoint (its later iterations overwritten); "
+                              "choose a new folder")
 
 
 if __name__ == "__main__":

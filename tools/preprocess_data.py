@@ -38,6 +38,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megazero.checkpoint.guard import checkpoint_holding  # noqa: E402
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from megazero.data.tokenizers import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer  # noqa: E402
 from megazero.config.failures import debug_requested, describe  # noqa: E402
@@ -279,6 +280,11 @@ def main(argv=None) -> int:
     args = get_args(argv)
     if not os.path.isfile(args.input):
         print(f"error: {args.input}: no such file", file=sys.stderr)
+        return 1
+    inside = checkpoint_holding(os.path.dirname(os.path.abspath(args.output_prefix)))
+    if inside is not None:
+        print(f"error: --output-prefix {args.output_prefix} is inside the checkpoint folder {inside}: choose a "
+              "folder outside it", file=sys.stderr)
         return 1
     try:
         s = preprocess(args)

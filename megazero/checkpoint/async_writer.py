@@ -276,7 +276,10 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     mapped, sizes = None, None
     while True:
-        message = _recv(sock)
+        try:
+            message = _recv(sock)
+        except ConnectionResetError:  # the training rank is gone: as end-of-file
+            return
         if message is None:
             return
         (kind, *body), passed = message
@@ -285,4 +288,11 @@ def serve(fd: int) -> None:
             mapped = mmap.mmap(passed, _layout(sizes)[1])
             os.close(passed)
         elif kind == "save":
-            _send(sock, _write(mapped, sizes, *body))
+            reply = _write(mapped, sizes, *body)
+            try:
+                _send(sock, reply)
+            except (BrokenPipeError, ConnectionResetError):  # the rank died while this file was written
+                print(f"megazero async checkpoint writer: its training rank exited while {body[0]} was being "
+                      "written; that checkpoint is not published (its folder stays *.tmp), the previously "
+                      "published checkpoint is intact", file=sys.stderr, flush=True)
+                return

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from megazero.checkpoint.async_writer import AsyncWriter, WriterDied
 from megazero.checkpoint.guard import space_hint
 from megazero.config.failures import describe
-from megazero.checkpoint.schema import (CheckpointError, iteration_dir, iteration_glob, latest_file, layout_diffs,
-                                        metadata_file, rank_file)
+from megazero.checkpoint.schema import (ARGS, CONSUMED_SAMPLES, INDEX, ITERATION, LAYOUT, CheckpointError,
+                                        iteration_dir, iteration_glob, latest_file, layout_diffs, metadata_file,
+                                        rank_file)
 
 
 def _barrier():
@@ -156,9 +157,13 @@ def latest_iteration(root: str) -> int | None:
         return None
     text = open(path).read().strip()
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+    if value < 0:
+        raise CheckpointError(f"{path}: an iteration must be >= 0, found {value} (a hand-edited pointer? write the "
+                              "iteration of a saved iter_* folder)")
+    return value
 
 
 def read_metadata(root: str, iteration: int) -> dict:
@@ -167,9 +172,38 @@ def read_metadata(root: str, iteration: int) -> dict:
         raise CheckpointError(f"{path} is missing: the checkpoint folder is incomplete or was removed")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt: {e}") from None
+    problems = metadata_problems(meta, iteration)
+    if problems:
+        raise CheckpointError(f"{path}: {'; '.join(problems)} (hand-edited or from another folder? restore the "
+                              "metadata.json saved with it)")
+    return meta
+
+
+def metadata_problems(meta, iteration: int) -> list[str]:
+    """What makes ``meta`` unusable as the record of ``iter_<iteration>``: its type, its counters'
+    types and values (the iteration = the folder's: otherwise a resume at that iteration trains
+    nothing or repeats), and the types of its layout, args and index where present."""
+    if not isinstance(meta, dict):
+        return [f"expected a JSON object, found {type(meta).__name__}"]
+    problems = []
+    saved = meta.get(ITERATION)
+    if type(saved) is not int:
+        problems.append(f"'{ITERATION}' must be an integer, found {saved!r}")
+    elif saved != iteration:
+        problems.append(f"'{ITERATION}' is {saved} but the folder is {os.path.basename(iteration_dir('', iteration))}")
+    consumed = meta.get(CONSUMED_SAMPLES, 0)
+    if type(consumed) is not int or consumed < 0:
+        problems.append(f"'{CONSUMED_SAMPLES}' must be an integer >= 0, found {consumed!r}")
+    for key in (LAYOUT, ARGS):
+        if not isinstance(meta.get(key, {}), dict):
+            problems.append(f"'{key}' must be an object, found {type(meta.get(key)).__name__}")
+    index = meta.get(INDEX)
+    if index is not None and not (isinstance(index, dict) and isinstance(index.get("ranks"), list)):
+        problems.append(f"'{INDEX}' must be an object with a 'ranks' list")
+    return problems
 
 
 def latest_saved_args(root: str) -> dict | None:

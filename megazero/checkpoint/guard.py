@@ -4,8 +4,9 @@
   or pseudo file system): checked by creating the folder and a probe file in it.
 * A folder already holding a checkpoint (``latest_checkpointed_iteration.txt`` or an
   ``iter_*`` folder) is only saved into by the run that loads from it (``--load`` is the same
-  folder), or with ``--overwrite-checkpoints``; otherwise a new run would overwrite its iterations
-  and move its pointer back.
+  folder, and not with ``--finetune``, which restarts at iteration 0), or with
+  ``--overwrite-checkpoints``; otherwise a new run would overwrite its iterations and move its
+  pointer back.
 * ``<save>/megazero.lock`` holds ``host pid time slurm-job-id`` of the run saving there (written by rank 0,
   exclusively created, its time refreshed every :data:`REFRESH_S` seconds by a daemon thread). A
   second run refuses to start while the lock is live. A lock is stale, and is taken over with one
@@ -67,11 +68,49 @@ def holds_checkpoint(save: str) -> bool:
         os.path.isdir(p) and not p.endswith((".tmp", ".old")) for p in glob.glob(iteration_glob(save)))
 
 
-def check_overwrite(save: str, load: str | None, overwrite: bool) -> None:
-    """Refuse a folder holding a checkpoint this run does not load from."""
+def checkpoint_holding(path: str) -> str | None:
+    """The checkpoint folder (one holding a pointer or ``iter_*`` folders) that ``path`` is, or
+    lies anywhere inside, else None."""
+    here = os.path.realpath(path)
+    while True:
+        if os.path.isdir(here) and holds_checkpoint(here):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def check_output(path: str, flag: str, overwrite: bool, folder: bool) -> None:
+    """A tool's output: never inside a checkpoint (a converted file written into ``--load`` can
+    replace its files); an existing file, or a non-empty folder (``folder``), only with
+    ``--overwrite``."""
+    inside = checkpoint_holding(path)
+    if inside is not None:
+        where = "holds a checkpoint" if inside == os.path.realpath(path) else f"is inside the checkpoint folder {inside}"
+        raise CheckpointError(f"{flag} {path} {where}: writing there could replace its files; choose a path "
+                              "outside it")
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path} is a file, not a folder")
+    if not folder and os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path} is a folder; give a file name")
+    occupied = os.path.isdir(path) and bool(os.listdir(path)) if folder else os.path.exists(path)
+    if occupied and not overwrite:
+        raise CheckpointError(f"{flag} {path} {'is not an empty folder' if folder else 'exists'}: pass --overwrite "
+                              "to replace it, or choose a new path")
+
+
+def check_overwrite(save: str, load: str | None, overwrite: bool, finetune: bool = False) -> None:
+    """Refuse a folder holding a checkpoint this run does not load from, or loads from with
+    ``--finetune`` (which restarts at iteration 0: its first saves would replace the loaded run's
+    ``iter_*`` folders and move the pointer back)."""
     if overwrite or not holds_checkpoint(save):
         return
     if load and os.path.realpath(load) == os.path.realpath(save):
+        if finetune:
+            raise CheckpointError(f"--finetune with --load and --save both {save}: the fine-tuning run starts at "
+                                  "iteration 0 and would overwrite the checkpoint it loads (its iterations and "
+                                  "pointer); give --save another folder, or pass --overwrite-checkpoints")
         return
     raise CheckpointError(f"--save {save} already holds a checkpoint that this run does not load from "
                           f"(--load {load or 'not given'}): saving would overwrite its iterations and move its "
@@ -169,11 +208,13 @@ def release_lock(path: str, stop: threading.Event | None = None) -> None:
             pass
 
 
-def guard_save_dir(save: str | None, load: str | None, overwrite: bool, rank: int, print_fn=print) -> None:
-    """Before any work: ``--save`` writable, not another run's checkpoints, locked by rank 0."""
+def guard_save_dir(save: str | None, load: str | None, overwrite: bool, rank: int, print_fn=print,
+                   finetune: bool = False) -> None:
+    """Before any work: ``--save`` writable, not another run's checkpoints (nor, with
+    ``--finetune``, the one it loads), locked by rank 0."""
     if not save:
         return
     check_writable(save)
-    check_overwrite(save, load, overwrite)
+    check_overwrite(save, load, overwrite, finetune)
     if rank == 0:
         claim_lock(save, print_fn)

@@ -209,11 +209,17 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def _open_weights(file: str):
-    if file.endswith(".safetensors"):
-        from safetensors import safe_open
-        handle = safe_open(file, framework="pt")  # memory-mapped, one tensor per get
-        return handle.get_tensor, set(handle.keys())
-    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    """``(get, names)`` of one weights file; a file that cannot be opened (truncated, empty, not
+    that format) is a ValueError naming it."""
+    try:
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+            handle = safe_open(file, framework="pt")  # memory-mapped, one tensor per get
+            return handle.get_tensor, set(handle.keys())
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # safetensors' own error class, a truncated zip, a bad pickle
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); is it truncated or damaged? "
+                         "download or save it again") from None
     return state.__getitem__, set(state)
 
 

@@ -104,7 +104,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
         return_freed_memory()
     config = run if isinstance(run, RunConfig) else build_configs(run)                              # 1
     ck, par, log = config.checkpoint, config.parallel, config.logging
-    guard_save_dir(ck.save, ck.load, ck.overwrite, current_rank())  # no checkpoint lost
+    guard_save_dir(ck.save, ck.load, ck.overwrite, current_rank(), finetune=ck.finetune)  # no checkpoint lost
     scheduler = build_lr_scheduler(config.schedule.lr)  # Megatron's schedule or a DeepSpeed config's block
     launch, device = init_distributed(par.backend, par.timeout_minutes)                              # 2
     if launch.world_size != par.world_size:

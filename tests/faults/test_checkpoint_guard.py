@@ -86,7 +86,7 @@ def test_from_hf_refuses_a_non_empty_target(tmp_path, capsys):
     ck = tmp_path / "run"
     _fake_checkpoint(ck)
     assert convert_checkpoint.main(["from-hf", "--hf", str(tmp_path / "hf"), "--save", str(ck)]) == 1
-    assert "is not an empty folder" in capsys.readouterr().err
+    assert f"--save {ck} holds a checkpoint: writing there could replace its files" in capsys.readouterr().err
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == "3\n"
 
 
