@@ -29,7 +29,8 @@ def test_state_round_trip_and_mismatch():
         LRScheduler(1.0, warmup_iters=5, decay_iters=10).load_state_dict(s.state_dict())
 
 
-# ---- DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py v0.16.4), worked out by hand ------
+# ---- DeepSpeed's schedules (deepspeed/runtime/lr_schedules.py 0.19.8), worked out by hand -------
+# (tests/peers/test_deepspeed_schedules.py compares them with the real classes)
 # After n optimizer steps DeepSpeed's last_batch_iteration is t = n - 1; W = max(2, warmup_num_steps).
 
 def test_deepspeed_warmup_decay_log_and_linear():
@@ -53,8 +54,11 @@ def test_deepspeed_warmup_lr_defaults_and_min_two_steps():
     s = DeepSpeedLRScheduler("WarmupLR")  # DeepSpeed's defaults: 0 -> 0.001 over 1000 steps, log
     assert s.get_lr(501) == pytest.approx(0.001 * math.log(501) / math.log(1000))
     assert s.get_lr(1001) == 0.001 and s.get_lr(10 ** 6) == 0.001
-    z = DeepSpeedLRScheduler("WarmupLR", warmup_min_lr=0.2, warmup_max_lr=1.0, warmup_num_steps=0)
-    assert [z.get_lr(n) for n in (0, 1, 2, 3)] == pytest.approx([0.2, 0.2, 1.0, 1.0])  # W = max(2, 0)
+    z = DeepSpeedLRScheduler("WarmupLR", warmup_min_lr=0.2, warmup_max_lr=1.0, warmup_num_steps=1)
+    assert [z.get_lr(n) for n in (0, 1, 2, 3)] == pytest.approx([0.2, 0.2, 1.0, 1.0])  # W = max(2, 1)
+    for bad in (0, -3, 4.0, True):  # DeepSpeed 0.19.8: "warmup_num_steps must be a positive integer"
+        with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
+            DeepSpeedLRScheduler("WarmupLR", warmup_num_steps=bad)
     zl = DeepSpeedLRScheduler("WarmupLR", warmup_max_lr=1.0, warmup_num_steps=1, warmup_type="linear")
     assert [zl.get_lr(n) for n in (1, 2, 3)] == pytest.approx([0.0, 0.5, 1.0])
 
@@ -68,7 +72,10 @@ def test_deepspeed_warmup_cosine():
     assert s.get_lr(11) == pytest.approx(cos(1 / 90))  # t = 10: (t - W + 1) / (T - W)
     assert s.get_lr(56) == pytest.approx(cos(46 / 90))
     assert s.get_lr(100) == pytest.approx(1e-5)  # t = 99: x = 1 -> cos_min_ratio
-    assert s.get_lr(110) == pytest.approx(cos(100 / 90))  # not clamped past T, as DeepSpeed
+    assert s.get_lr(110) == pytest.approx(1e-5) and s.get_lr(500) == pytest.approx(1e-5)  # clamped past T
+    short = DeepSpeedLRScheduler("WarmupCosineLR", base_lr=1.0, total_num_steps=5, warmup_num_steps=10,
+                                 cos_min_ratio=0.25, warmup_type="linear")  # T <= W: accepted, T - W -> 1
+    assert [short.get_lr(n) for n in (1, 6, 10, 11, 12)] == pytest.approx([0.0, 0.5, 0.9, 0.25, 0.25])
 
 
 def test_deepspeed_state_and_errors():

@@ -28,7 +28,8 @@ import warnings
 from megazero.config.cp_flags import model_parallel_product
 from megazero.config.deepspeed_keys import (BATCH_KEYS, BLOCKS_ENABLED_BY_PRESENCE, FP16_KEYS, HARMLESS_KEYS,
                                      NO_EFFECT_KEYS, NO_EFFECT_SUBKEYS, NO_EFFECT_ZERO_KEYS, ONLY_DEFAULT_KEYS,
-                                     TOP_KEYS, ZERO_KEYS, fp16_scaler_defaults, load_config, offload_devices)
+                                     TOP_KEYS, ZERO_ALIASES, ZERO_KEYS, check_grad_norm, fp16_scaler_defaults,
+                                     load_config, offload_devices, range_error)
 from megazero.config.deepspeed_optim import apply_optimizer, apply_scheduler
 from megazero.parallel.launch import current_rank
 
@@ -54,7 +55,8 @@ class Merge:
         self.parser.exit(2, f"{self.parser.prog}: error: --deepspeed-config {self.path}: {message}\n")
 
     def typed(self, key: str, value, kind):
-        """Check a config value's type; numbers like ``1e9`` count as ints."""
+        """Check a config value's type and range (``deepspeed_keys.RANGES``, always finite); numbers
+        like ``1e9`` count as ints."""
         if kind in (bool, str):
             if not isinstance(value, kind):
                 self.fail(f"key '{key}' must be {'true or false' if kind is bool else 'a string'}, got {value!r}")
@@ -64,8 +66,10 @@ class Merge:
         if kind is int:
             if not math.isfinite(value) or value != int(value):
                 self.fail(f"key '{key}' must be an integer, got {value!r}")
-            return int(value)
-        return float(value)
+        problem = range_error(key, value)
+        if problem:
+            self.fail(problem)
+        return int(value) if kind is int else float(value)
 
     def record(self, source: str, key: str, value, dest: str | None = None) -> None:
         if source == "command line":
@@ -80,6 +84,8 @@ class Merge:
         config's value (``"auto"``: the flag's value), then ``default`` (None: keep the flag's).
         Returns the value used."""
         if dest in self.explicit:
+            if name in block and block[name] != "auto":
+                self.typed(key, block[name], kind)  # overridden, but still a valid value
             self.record("command line", key, getattr(self.args, dest), dest)
         elif name in block and block[name] == "auto":
             if getattr(self.args, dest) is None:
@@ -143,6 +149,10 @@ def apply_batch(m: Merge) -> None:
         raw = config.get(key)
         if dest is not None and (dest in m.explicit or raw is None or raw == "auto"):
             values[key] = getattr(args, dest)
+            if raw not in (None, "auto") and values[key] is not None and m.typed(key, raw, int) != values[key]:
+                m.fail(f"key '{key}' = {raw!r} disagrees with {flag_name(dest)} {values[key]} (DeepSpeed would "
+                       "train with the config's batch: its _batch_assertion refuses a batch that does not add "
+                       'up); make them equal, write "auto", or drop one')
             source = "command line" if dest in m.explicit else "auto" if raw == "auto" else None
             if source and values[key] is not None:
                 m.record(source, key, values[key], dest)
@@ -218,7 +228,13 @@ def apply_precision(m: Merge, torch_adam: bool) -> None:
 
 def apply_zero(m: Merge) -> None:
     """The zero_optimization block; unknown keys are errors (DeepSpeed's ZeRO config forbids them)."""
-    zero = m.block("zero_optimization", m.config.get("zero_optimization"))
+    zero = {}
+    for name, value in m.block("zero_optimization", m.config.get("zero_optimization")).items():
+        full = ZERO_ALIASES.get(name, name)  # 0.19.8 takes a field's name or its stage3_ alias
+        if full in zero:
+            m.fail(f"zero_optimization.{name} and zero_optimization.{full} are the same key; give one")
+        zero[full] = value
+    check_grad_norm(m, zero)
     for name, (dest, kind, default) in ZERO_KEYS.items():
         if name != "overlap_comm":
             m.take(f"zero_optimization.{name}", dest, zero, name, kind, default=default)

@@ -1,6 +1,7 @@
 """The DeepSpeed config keys megazero knows, by what it does with them, and the file reader.
 
-Names and defaults are DeepSpeed v0.16.4's (``deepspeed/runtime/constants.py``,
+Names and defaults are DeepSpeed 0.19.8's, the current release, checked against the installed
+library by tests/peers/test_deepspeed_keys.py (``deepspeed/runtime/constants.py``,
 ``deepspeed/runtime/zero/config.py``, ``deepspeed/runtime/zero/offload_config.py``,
 ``deepspeed/ops/adam/fused_adam.py``, ``deepspeed/runtime/lr_schedules.py``); docs/zero.md's
 "DeepSpeed config keys" section is the same table in prose. Used by
@@ -30,6 +31,50 @@ ZERO_KEYS = {
     "stage3_max_live_parameters": ("zero_max_live_parameters", int, 1_000_000_000),
     "stage3_max_reuse_distance": ("zero_max_reuse_distance", int, 1_000_000_000),
 }
+
+# DeepSpeedZeroConfig (0.19.8) sets populate_by_name: a field's own name is accepted where its
+# ``stage3_`` alias is. Unprefixed name -> the alias megazero's tables use.
+ZERO_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+
+# (lowest, lowest allowed?, highest) for numeric keys, checked where the value enters (finite
+# always). DeepSpeed's own bounds: reduce_bucket_size gt=0, the other ZeRO sizes ge=0
+# (zero/config.py Field(...)); batch sizes > 0 (config.py _batch_assertion); torch.optim.AdamW's
+# lr, eps, weight_decay >= 0 and 0 <= beta < 1; a scaler's window and hysteresis >= 1.
+RANGES = {
+    "zero_optimization.reduce_bucket_size": (0, False, None), "gradient_clipping": (0, True, None),
+    "optimizer.params.lr": (0, True, None), "optimizer.params.eps": (0, True, None),
+    "optimizer.params.weight_decay": (0, True, None), "optimizer.params.betas[0]": (0, True, 1),
+    "optimizer.params.betas[1]": (0, True, 1), "fp16.loss_scale": (0, True, None),
+    "fp16.initial_scale_power": (0, True, 128), "fp16.loss_scale_window": (1, True, None),
+    "fp16.hysteresis": (1, True, None), "fp16.min_loss_scale": (0, False, None),
+    "scheduler.params.warmup_min_lr": (0, True, None), "scheduler.params.warmup_max_lr": (0, True, None),
+    "scheduler.params.total_num_steps": (0, True, None), "scheduler.params.warmup_num_steps": (0, False, None),
+    **{f"zero_optimization.{k}": (0, True, None) for k in ("stage3_prefetch_bucket_size",
+       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")},
+}
+
+
+def range_error(key: str, value: float) -> str | None:
+    """Why ``value`` is out of ``key``'s range (:data:`RANGES`; every number must be finite), or None."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"key '{key}' must be a finite number, got {value!r}"
+    low, low_ok, high = RANGES.get(key, (None, True, None))
+    if low is not None and (value < low or (value == low and not low_ok)):
+        return f"key '{key}' must be {'>=' if low_ok else '>'} {low}, got {value!r}"
+    if high is not None and value >= high:
+        return f"key '{key}' must be < {high}, got {value!r}"
+    return None
+
 
 # Top-level keys with a megazero flag -> (flag dest, type, DeepSpeed default).
 TOP_KEYS = {
@@ -100,7 +145,12 @@ NO_EFFECT_ZERO_KEYS = {
     "override_module_apply", "log_trace_cache_warnings", "stage3_model_persistence_threshold",
     "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "zero_hpz_partition_size",
     "mics_shard_size", "mics_hierarchical_params_gather", "cpu_offload_use_pin_memory",
+    # accepted by 0.19.8's DeepSpeedZeroConfig, memory layout / debugging only:
+    "stage3_allgather_sequential", "parameter_alignment", "enable_sanity_checks", "leaf_module",
+    "save_muon_momentum_buffer_in_memory",
 }
+# compute_grad_norm (0.19.8): true is the default; false skips the norm, allowed by DeepSpeed only
+# at stage 1/2 and documented as correct only without clipping -- megazero accepts it there.
 
 # Keys accepted only at DeepSpeed's default (any other value changes training -> error).
 # For a block, the value compared is its "enabled" (present block without "enabled": enabled
@@ -115,9 +165,25 @@ ONLY_DEFAULT_KEYS = {
     "data_types.grad_accum_dtype": None,
     "zero_optimization.zero_quantized_weights": False, "zero_optimization.zero_quantized_gradients": False,
     "zero_optimization.zero_quantized_nontrainable_weights": False, "zero_optimization.zeropp_loco_param": None,
+    "zero_optimization.zenflow": None,
 }
-BLOCKS_ENABLED_BY_PRESENCE = {"sparse_attention", "compression_training", "weight_quantization"}
+BLOCKS_ENABLED_BY_PRESENCE = {"sparse_attention", "compression_training", "weight_quantization",
+                              "zero_optimization.zenflow"}
 NO_EFFECT_SUBKEYS = {"bf16.immediate_grad_update", "fp16.enabled", "bf16.enabled"}
+
+
+def check_grad_norm(m, zero: dict) -> None:
+    """``compute_grad_norm`` (DeepSpeed 0.19.8): false only at ZeRO 1/2 (its validator) and, as its
+    docs say, only without clipping; megazero always computes the norm, so false has no effect."""
+    value = zero.pop("compute_grad_norm", True)
+    if m.typed("zero_optimization.compute_grad_norm", value, bool):
+        return
+    stage = m.args.zero_stage if "zero_stage" in m.explicit else zero.get("stage", 0)
+    clip = m.args.clip_grad if "clip_grad" in m.explicit else m.config.get("gradient_clipping", 0.0)
+    if stage not in (1, 2) or clip:
+        m.fail("zero_optimization.compute_grad_norm=false is supported only with ZeRO Stage 1 or 2 and "
+               f"without gradient_clipping (stage {stage}, clipping {clip})")
+    m.notes["no effect"].append("zero_optimization.compute_grad_norm")
 
 
 def offload_devices(zero: dict) -> list[str]:
@@ -140,7 +206,8 @@ def offload_devices(zero: dict) -> list[str]:
 OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad",
                     "maximize"}
-OPTIMIZER_NO_EFFECT = {"set_grad_none", "foreach", "fused", "capturable", "differentiable"}
+# fp32_optimizer_states: engine.get_optimizer_configuration pops it; only its CPU Adam reads it.
+OPTIMIZER_NO_EFFECT = {"set_grad_none", "foreach", "fused", "capturable", "differentiable", "fp32_optimizer_states"}
 
 # scheduler.type -> the params DeepSpeed's constructor takes (besides the optimizer).
 SCHEDULER_PARAMS = {
@@ -153,7 +220,7 @@ SCHEDULER_PARAMS = {
 # scheduler param -> (type, DeepSpeed default, megazero flag dest that wins when explicit).
 SCHEDULER_DEFAULTS = {
     "warmup_min_lr": (float, 0.0, "min_lr"),
-    "warmup_max_lr": (float, 0.001, "lr"),
+    "warmup_max_lr": (float, 0.001, "lr"),  # WarmupLR: None -> the optimizer's lr (0.19.8)
     "warmup_num_steps": (int, 1000, "lr_warmup_iters"),
     "warmup_type": (str, "log", None),
     "total_num_steps": (int, None, "lr_decay_iters"),

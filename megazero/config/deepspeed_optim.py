@@ -1,6 +1,6 @@
 """The ``optimizer`` and ``scheduler`` blocks of a DeepSpeed config (used by megazero.config.deepspeed_config).
 
-Optimizer (DeepSpeed v0.16.4 ``engine._configure_basic_optimizer``): ``type`` Adam or AdamW
+Optimizer (DeepSpeed 0.19.8 ``engine._configure_basic_optimizer``): ``type`` Adam or AdamW
 (case-insensitive); ``adam_w_mode`` (default true) — the effective mode is
 ``type == AdamW or adam_w_mode``, so only ``Adam`` with ``adam_w_mode: false`` is Adam with L2
 decay (``args.adam_w_mode = False``: ZeroOptimizer's ``decoupled_weight_decay``). ``torch_adam``
@@ -8,8 +8,9 @@ selects torch.optim.Adam/AdamW instead of FusedAdam: same update, but torch.opti
 weight-decay default is 0.01 where FusedAdam's is 0. Defaults: lr 1e-3, betas (0.9, 0.999),
 eps 1e-8. Without an optimizer block the Megatron flags (``--lr``...) are the client optimizer.
 
-Scheduler (``deepspeed/runtime/lr_schedules.py``): WarmupLR, WarmupDecayLR, WarmupCosineLR
-with DeepSpeed's parameter names and defaults -> ``args.deepspeed_scheduler`` (keywords of
+Scheduler (``deepspeed/runtime/lr_schedules.py`` 0.19.8): WarmupLR, WarmupDecayLR, WarmupCosineLR
+with DeepSpeed's parameter names and defaults (WarmupLR without ``warmup_max_lr``: the optimizer's
+lr; ``warmup_num_steps`` a positive JSON integer); OneCycle and LRRangeTest are refused -> ``args.deepspeed_scheduler`` (keywords of
 ``megazero.training.lr_schedule.DeepSpeedLRScheduler``). Explicit ``--lr``, ``--min-lr``,
 ``--lr-warmup-iters``, ``--lr-decay-iters`` replace warmup_max_lr, warmup_min_lr,
 warmup_num_steps, total_num_steps; an explicit ``--lr-decay-style`` replaces the whole block
@@ -89,6 +90,8 @@ def _scheduler_value(m, kind: str, name: str, params: dict):
     if name == "total_num_steps" and dest not in m.explicit and params.get(name) == "auto":
         dest = "lr_decay_iters" if args.lr_decay_iters is not None else "train_iters"
     if dest and dest in m.explicit:
+        if params.get(name, "auto") != "auto":
+            m.typed(key, params[name], typ)  # overridden, but still a valid value
         m.record("command line", key, getattr(args, dest), dest)
         return getattr(args, dest)
     if params.get(name) == "auto":
@@ -99,8 +102,16 @@ def _scheduler_value(m, kind: str, name: str, params: dict):
         return getattr(args, dest)
     if name in params:
         value = m.typed(key, params[name], typ)
+        if name == "warmup_num_steps" and not isinstance(params[name], int):
+            m.fail(f"key '{key}' must be a positive integer, got {params[name]!r} (DeepSpeed's own check)")
         m.record("config", key, value)
         return value
+    if kind == "WarmupLR" and name == "warmup_max_lr":  # 0.19.8: None -> the optimizer's lr
+        if args.lr is None:
+            m.fail("WarmupLR without scheduler.params.warmup_max_lr takes the optimizer's lr: give --lr or "
+                   "optimizer.params.lr")
+        m.record("DeepSpeed default", key + " (the optimizer's lr)", args.lr)
+        return args.lr
     if default is None:
         m.fail(f"{kind} needs scheduler.params.{name} (DeepSpeed's constructor requires it) or {_flag(dest)}")
     m.record("DeepSpeed default", key, default)
@@ -113,13 +124,10 @@ def _check_scheduler(m, kind: str, s: dict) -> None:
                "(DeepSpeed would fall back to 'log' with a warning)")
     if s.pop("last_batch_iteration", -1) not in (-1, None):
         m.fail("scheduler.params.last_batch_iteration must be -1: resume the schedule from a checkpoint (--load)")
-    if kind == "WarmupCosineLR":
-        if "min_lr" in m.explicit:
-            m.fail("--min-lr has no WarmupCosineLR counterpart; set scheduler.params.cos_min_ratio")
-        total, warm = s.get("total_num_steps"), s.get("warmup_num_steps")
-        if total is not None and warm is not None and total <= max(2, warm):
-            m.fail(f"WarmupCosineLR needs total_num_steps {total} > max(2, warmup_num_steps {warm}) "
-                   "(DeepSpeed divides by their difference)")
+    if kind == "WarmupCosineLR" and "min_lr" in m.explicit:
+        m.fail("--min-lr has no WarmupCosineLR counterpart; set scheduler.params.cos_min_ratio")
+    if s.get("warmup_num_steps") is not None and s["warmup_num_steps"] <= 0 and not m.unresolved:
+        m.fail(f"warmup_num_steps must be a positive integer, got {s['warmup_num_steps']} (DeepSpeed's own check)")
 
 
 def apply_scheduler(m, opt: dict) -> None:
@@ -139,7 +147,8 @@ def apply_scheduler(m, opt: dict) -> None:
     if not block:
         return
     if kind not in SCHEDULER_PARAMS:
-        m.fail(f"scheduler.type {kind!r} is not available in megazero; use one of {', '.join(SCHEDULER_PARAMS)}")
+        m.fail(f"scheduler.type {kind!r} is not available in megazero; use one of {', '.join(SCHEDULER_PARAMS)}"
+               + (" (DeepSpeed has it; megazero does not implement it)" if kind in ("OneCycle", "LRRangeTest") else ""))
     params = m.block("scheduler.params", block.get("params"))
     for name in params:
         if name not in SCHEDULER_PARAMS[kind]:

@@ -108,23 +108,26 @@ class LRScheduler:
 
 class DeepSpeedLRScheduler:
     """DeepSpeed's ``WarmupLR``, ``WarmupDecayLR`` and ``WarmupCosineLR`` (deepspeed/runtime/
-    lr_schedules.py, v0.16.4), as functions of the number of optimizer steps taken ``n``.
+    lr_schedules.py, checked against DeepSpeed 0.19.8 by tests/peers/test_deepspeed_schedules.py),
+    as functions of the number of optimizer steps taken ``n``.
 
     DeepSpeed's scheduler starts at ``last_batch_iteration = -1`` and its ``step()`` runs after
-    each applied optimizer step, so after ``n`` steps ``t = n - 1``. ``W = max(2,
-    warmup_num_steps)``, ``T = total_num_steps``; during warm-up (``0 <= t < W``)::
+    each applied optimizer step, so after ``n`` steps ``t = n - 1``. ``warmup_num_steps`` must be a
+    positive integer (DeepSpeed raises otherwise); ``W = max(2, warmup_num_steps)``,
+    ``T = total_num_steps``; during warm-up (``0 <= t < W``)::
 
         log:     g = ln(t + 1) / ln(W)          linear:  g = t / W
 
     WarmupLR:       t < 0: min;  t < W: min + (max - min) g;  else max
     WarmupDecayLR:  as WarmupLR, but for t >= W: min + (max - min) * max(0, (T - t) / max(1, T - W))
     WarmupCosineLR: rate = base_lr * ratio (base_lr = the optimizer's lr); t < 0: ratio 0;
-                    t < W: wmr + (1 - wmr) g;  else with x = (t - W + 1) / (T - W):
+                    t < W: wmr + (1 - wmr) g;  else with x = min(1, (t - W + 1) / max(1, T - W)):
                     max(0, cmr + (1 - cmr) (1 + cos(pi x)) / 2)   (wmr = warmup_min_ratio,
-                    cmr = cos_min_ratio; not clamped past T, as DeepSpeed)
+                    cmr = cos_min_ratio; clamped at cmr past T; T <= W is accepted, as DeepSpeed)
 
-    (``min``/``max`` = ``warmup_min_lr``/``warmup_max_lr``.) The first optimizer step therefore
-    trains with ``min`` (WarmupLR/WarmupDecayLR) or 0 (WarmupCosineLR), the second with g(0) = 0.
+    (``min``/``max`` = ``warmup_min_lr``/``warmup_max_lr``; WarmupLR's ``max`` defaults to the
+    optimizer's lr, resolved by the config merge.) The first optimizer step therefore trains with
+    ``min`` (WarmupLR/WarmupDecayLR) or 0 (WarmupCosineLR), the second with g(0) = 0.
     """
 
     SETTINGS = ("type", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
@@ -139,8 +142,10 @@ class DeepSpeedLRScheduler:
             raise ValueError(f"scheduler warmup_type must be 'log' or 'linear', got {warmup_type!r}")
         if type != "WarmupLR" and total_num_steps is None:
             raise ValueError(f"{type} needs total_num_steps")
-        if type == "WarmupCosineLR" and (base_lr is None or total_num_steps <= max(2, warmup_num_steps)):
-            raise ValueError("WarmupCosineLR needs the optimizer's lr and total_num_steps > max(2, warmup_num_steps)")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+        if type == "WarmupCosineLR" and base_lr is None:
+            raise ValueError("WarmupCosineLR needs the optimizer's lr")
         self.type, self.warmup_type = type, warmup_type
         self.warmup_min_lr, self.warmup_max_lr = float(warmup_min_lr), float(warmup_max_lr)
         self.warmup_num_steps, self.total_num_steps = int(warmup_num_steps), total_num_steps
@@ -160,7 +165,7 @@ class DeepSpeedLRScheduler:
             if t < w:
                 ratio = self.warmup_min_ratio + self._warmup_gamma(t, w) * (1.0 - self.warmup_min_ratio)
             else:
-                x = (t - w + 1) / (self.total_num_steps - w)
+                x = min(1.0, (t - w + 1) / max(1, self.total_num_steps - w))
                 ratio = max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * x)) / 2)
             return self.base_lr * ratio
         if t < 0:

@@ -1,5 +1,5 @@
 """DeepSpeed configs as DeepSpeed reads them (megazero.config.deepspeed_config): real-shaped configs
-checked against values worked out by hand from DeepSpeed v0.16.4's formulas (batch arithmetic,
+checked against values worked out by hand from DeepSpeed 0.19.8's formulas (batch arithmetic,
 optimizer defaults, LR curves, loss-scaler defaults) and the errors' text; the seed-style stage-3
 config trains like torch.optim.AdamW; Adam's L2 mode equals torch.optim.Adam."""
 
@@ -229,8 +229,10 @@ def test_batch_arithmetic_as_deepspeed(tmp_path, capsys):
     assert (a.global_batch_size, a.num_micro_batches) == (16, 4)  # train = 2 * 4 * 2
     a = parse(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 2}, ["--lr", "1"], 4)
     assert (a.micro_batch_size, a.num_micro_batches) == (4, 2)  # micro = 32 // 4 // 2
-    a = parse(tmp_path, bad, ["--lr", "1", "--global-batch-size", "64"], 8)  # the flag wins: 64 = 2 * 4 * 8
-    assert (a.global_batch_size, a.num_micro_batches) == (64, 4)
+    a = parse(tmp_path, {**bad, "train_batch_size": "auto"}, ["--lr", "1", "--global-batch-size", "64"], 8)
+    assert (a.global_batch_size, a.num_micro_batches) == (64, 4)  # 64 = 2 * 4 * 8
+    fails(capsys, tmp_path, bad, ["--lr", "1", "--global-batch-size", "64"], "key 'train_batch_size' = 16 disagrees "
+          "with --global-batch-size 64", "_batch_assertion")  # DeepSpeed would train with 16
     fails(capsys, tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3}, ["--lr", "1"],
           "16 != 3 * 5 * 1", world_size=1)  # GAS = 16 // 3 // 1 = 5
     fails(capsys, tmp_path, {"gradient_accumulation_steps": 2}, ["--lr", "1"],
@@ -282,7 +284,9 @@ def test_errors_name_the_key(tmp_path, capsys):
         ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, [], "optimizer.params.amsgrad"),
         ({"scheduler": {"type": "OneCycle"}}, ["--lr", "1"], "scheduler.type 'OneCycle' is not available"),
         ({"scheduler": {"type": "WarmupDecayLR"}}, ["--lr", "1"], "WarmupDecayLR needs scheduler.params.total_num_steps"),
-        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, [], "warmup_type"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}}, ["--lr", "1"], "warmup_type"),
+        ({"scheduler": {"type": "WarmupLR"}}, [], "WarmupLR without scheduler.params.warmup_max_lr takes the "
+         "optimizer's lr"),
         ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 5}}}, [], "not a parameter of WarmupLR"),
         ({"prescale_gradients": True}, ["--lr", "1"], "'prescale_gradients' = true changes training"),
         ({"zero_optimization": {"stage3_prefetch": 1}}, ["--lr", "1"], "zero_optimization.stage3_prefetch"),
