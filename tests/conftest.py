@@ -14,3 +14,7 @@ torch.set_num_threads(1)
 def distributed():
     from megazero.testing import run_distributed
     return run_distributed
+
+# tests/peers/ runs against the real Megatron-LM and DeepSpeed in their own virtualenv
+# (`make peers`, which names the folder); the main suite never collects it.
+collect_ignore = ["peers"]

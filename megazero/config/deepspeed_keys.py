@@ -58,7 +58,7 @@ RANGES = {
     "fp16.initial_scale_power": (0, True, 128), "fp16.loss_scale_window": (1, True, None),
     "fp16.hysteresis": (1, True, None), "fp16.min_loss_scale": (0, False, None),
     "scheduler.params.warmup_min_lr": (0, True, None), "scheduler.params.warmup_max_lr": (0, True, None),
-    "scheduler.params.total_num_steps": (0, True, None), "scheduler.params.warmup_num_steps": (0, False, None),
+    "scheduler.params.total_num_steps": (0, True, None),
     **{f"zero_optimization.{k}": (0, True, None) for k in ("stage3_prefetch_bucket_size",
        "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")},
 }

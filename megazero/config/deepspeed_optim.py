@@ -102,7 +102,7 @@ def _scheduler_value(m, kind: str, name: str, params: dict):
         return getattr(args, dest)
     if name in params:
         value = m.typed(key, params[name], typ)
-        if name == "warmup_num_steps" and not isinstance(params[name], int):
+        if name == "warmup_num_steps" and (not isinstance(params[name], int) or value <= 0):
             m.fail(f"key '{key}' must be a positive integer, got {params[name]!r} (DeepSpeed's own check)")
         m.record("config", key, value)
         return value
