@@ -75,9 +75,10 @@ def test_deepspeeds_refusals_are_ours(tmp_path, capsys, kind, steps):
 
 @pytest.mark.parametrize("kind", ["OneCycle", "LRRangeTest"])
 def test_schedulers_deepspeed_has_and_megazero_refuses(tmp_path, capsys, kind):
-    assert kind in lr_schedules.VALID_LR_SCHEDULES  # DeepSpeed accepts it with its defaults ...
+    params = {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01} if kind == "OneCycle" else {}
+    assert kind in lr_schedules.VALID_LR_SCHEDULES  # DeepSpeed accepts it ...
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=OPT_LR, momentum=0.9)
-    getattr(lr_schedules, kind)(opt).step()
+    getattr(lr_schedules, kind)(opt, **params).step()
     with pytest.raises(SystemExit):  # ... megazero names it as not implemented, before any work
-        megazero_args(tmp_path, kind, {})
+        megazero_args(tmp_path, kind, params)
     assert f"scheduler.type '{kind}' is not available in megazero" in capsys.readouterr().err
