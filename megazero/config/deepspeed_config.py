@@ -6,7 +6,7 @@ validation and before any process group. Precedence for a value that has a megaz
 1. the flag, when given explicitly on the command line;
 2. the config's value; ``"auto"`` (Hugging Face Trainer convention) takes the flag's value, and
    every ``"auto"`` that has no value is named in one error;
-3. DeepSpeed's default when the key is absent (v0.16.4; the tables are in
+3. DeepSpeed's default when the key is absent (0.19.8; the tables are in
    :mod:`megazero.config.deepspeed_keys`, the prose in docs/zero.md, "DeepSpeed config keys").
 
 Batch: ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * DP``;
