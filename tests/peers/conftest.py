@@ -10,6 +10,10 @@ import pytest
 
 MISSING = [name for name in ("deepspeed", "megatron.core") if importlib.util.find_spec(name.split(".")[0]) is None
            or importlib.util.find_spec(name) is None]
+SHADOW = importlib.util.find_spec("megatron")
+if SHADOW is not None and any(os.path.join("tests", "megatron") in p for p in SHADOW.submodule_search_locations or []):
+    raise pytest.UsageError("tests/megatron shadows the real `megatron` package (pytest's prepend import mode puts "
+                            "tests/ on sys.path): run with --import-mode=importlib, as `make peers` does")
 if MISSING:
     raise pytest.UsageError(f"tests/peers needs {', '.join(MISSING)} (tests/peers/requirements.txt); "
                             "run `make peers`, which builds .peers/venv with them")
