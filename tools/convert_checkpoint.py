@@ -130,13 +130,16 @@ def model_args(config, dtype: torch.dtype) -> dict:
 
 
 def pretrain_flags(config, tokenizer: dict | None = None) -> str:
-    """The model flags (and recorded tokenizer) to train an imported checkpoint with."""
+    """The model flags (and recorded tokenizer) to train an imported checkpoint with; the
+    dropouts are the source's (an HF config's ``attn_pdrop``/``resid_pdrop`` or
+    ``attention_dropout``, a Megatron run's ``args``), not Megatron's 0.1 defaults."""
     c = config
     flags = [f"--num-layers {c.num_layers}", f"--hidden-size {c.hidden_size}",
              f"--num-attention-heads {c.num_attention_heads}", f"--ffn-hidden-size {c.ffn_hidden_size}",
              f"--max-position-embeddings {c.max_position_embeddings}", f"--vocab-size {c.vocab_size}",
              f"--position-embedding-type {c.position_embedding_type}", f"--normalization {c.normalization}",
-             f"--norm-epsilon {c.norm_epsilon}"]
+             f"--norm-epsilon {c.norm_epsilon}", f"--attention-dropout {c.attention_dropout:g}",
+             f"--hidden-dropout {c.hidden_dropout:g}"]
     if c.num_query_groups != c.num_attention_heads:
         flags.append(f"--group-query-attention --num-query-groups {c.num_query_groups}")
     if c.kv_channels * c.num_attention_heads != c.hidden_size:
@@ -207,6 +210,9 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
         raise CheckpointError(f"{config_path}: cannot be read as JSON ({e})") from e
     arch = hfmap.arch_of(cfg)
     config = hfmap.config_from_hf(cfg)
+    if arch == "gpt2" and cfg.get("embd_pdrop", 0.1) != cfg.get("resid_pdrop", 0.1):
+        print(f"note: {config_path}: embd_pdrop {cfg.get('embd_pdrop', 0.1)} differs from resid_pdrop "
+              f"{cfg.get('resid_pdrop', 0.1)}; Megatron's --hidden-dropout ({config.hidden_dropout:g}) drops both")
     get, have = hfmap.hf_weights(hf_dir)
     mapping = hfmap.name_map(arch, config)
 

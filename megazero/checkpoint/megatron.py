@@ -42,18 +42,18 @@ checkpoint starts a fresh optimizer.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 
 import torch
 
 from megazero.checkpoint import megatron_moe as moe
+from megazero.checkpoint.megatron_pickle import load_megatron_file
 from megazero.checkpoint.schema import CheckpointError, iteration_dir
 from megazero.model.config import GPTConfig
 
 __all__ = ["MegatronCheckpoint", "config_from_megatron_args", "find_rank_files", "load_megatron_file",
-           "megazero_name"]
+           "megatron_activation", "megazero_name"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -127,47 +127,46 @@ def find_rank_files(root: str, iteration: int | None = None) -> tuple[str, int, 
     return directory, iteration or 0, moe.rank_files(raw, directory, lambda path: load_megatron_file(path).get("args"))
 
 
-class _Opaque:
-    """Stands in for a Megatron class in ``args`` (an enum, a config object) when loading."""
+def megatron_activation(a: dict, family: str) -> str:
+    """The MLP activation Megatron-LM's ``family`` model computes under saved ``args`` ``a``
+    (megatron-core 0.16.1 / Megatron-LM ``core_v0.16.1``):
 
-    def __init__(self, *args, **kwargs):
-        self.args = args
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-def load_megatron_file(path: str) -> dict:
-    """``torch.load(weights_only=True)`` of one rank file: ``argparse.Namespace`` is allowed and
-    classes of ``megatron.*`` / ``transformer_engine.*`` (enums in ``args``) load as opaque objects;
-    any other non-tensor global is refused."""
-    from torch.serialization import get_unsafe_globals_in_checkpoint, safe_globals
-    try:
-        unsafe = get_unsafe_globals_in_checkpoint(path)
-    except Exception as e:  # noqa: BLE001 -- a truncated or foreign file
-        raise CheckpointError(f"{path}: unreadable ({e})") from e
-    allow, refused = [argparse.Namespace], []
-    for name in unsafe:
-        if name.startswith(("megatron.", "transformer_engine.")):
-            allow.append((_Opaque, name))
-        elif name != "argparse.Namespace":
-            refused.append(name)
-    if refused:
-        raise CheckpointError(f"{path}: refusing to unpickle {refused}")
-    with safe_globals(allow):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    * ``legacy`` (``megatron/legacy/model/transformer.py``, ``ParallelMLP``): ``--openai-gelu``
+      (tanh approximation) before ``--swiglu``, else exact (erf) gelu; its bias-gelu fusion is off.
+    * ``mcore``: ``core_transformer_config_from_args`` (``megatron/training/arguments.py``) never
+      reads ``--openai-gelu``; ``--swiglu`` gives silu-GLU, else ``F.gelu``, which ``MLP.forward``
+      (``megatron/core/transformer/mlp.py``) computes with ``bias_gelu_impl``, the tanh
+      approximation (``megatron/core/fusions/fused_bias_gelu.py``), whenever
+      ``bias_activation_fusion`` (= ``--bias-gelu-fusion``, on by default, forced off by
+      ``validate_args`` under ``--disable-bias-linear``) is set; exact gelu otherwise.
+    """
+    if a.get("swiglu") and not (family == "legacy" and a.get("openai_gelu")):
+        return "swiglu"
+    if family == "legacy":
+        if a.get("swiglu"):
+            raise CheckpointError("args set both --swiglu and --openai-gelu: Megatron's legacy MLP applies "
+                                  "openai_gelu to the doubled fc1 (no model megazero can build)")
+        return "gelu_tanh" if a.get("openai_gelu") else "gelu"
+    fused = a.get("bias_gelu_fusion", True) and a.get("add_bias_linear", True)
+    return "gelu_tanh" if fused else "gelu"
 
 
-def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConfig:
-    """The :class:`GPTConfig` of a Megatron-LM run's ``args`` (refusing what megazero lacks).
+def config_from_megatron_args(a: dict, vocab_size: int | None = None, family: str = "mcore") -> GPTConfig:
+    """The :class:`GPTConfig` of a Megatron-LM run's ``args`` (refusing what megazero lacks) for
+    its ``family``'s model (``legacy``: ``language_model.*`` keys, ``mcore``: ``decoder.*``).
 
     Real vocabulary: ``vocab_size`` if given, else NullTokenizer's ``N + 1`` (Megatron's
-    convention), else the padded size (the padding rows become ordinary, never-seen ids)."""
+    convention), else the padded size (the padding rows become ordinary, never-seen ids).
+    Activation: :func:`megatron_activation`. RoPE base: ``--rotary-base`` for mcore; 10000 for
+    the legacy model, which builds ``RotaryEmbedding`` without it
+    (``megatron/legacy/model/language_model.py``, ``TransformerLanguageModel.__init__``, so
+    megatron-core's default ``rotary_base=10000`` holds whatever the flag said)."""
     unsupported = [k for k, bad in (("rotary_percent != 1", a.get("rotary_percent", 1.0) != 1.0),
                                     ("rotary_interleaved", a.get("rotary_interleaved")),
                                     ("apply_residual_connection_post_layernorm",
                                      a.get("apply_residual_connection_post_layernorm")),
-                                    ("squared_relu", a.get("squared_relu")), ("qk_layernorm", a.get("qk_layernorm")),
+                                    ("squared_relu", a.get("squared_relu")), ("quick_geglu", a.get("quick_geglu")),
+                                    ("qk_layernorm", a.get("qk_layernorm")),
                                     ("add_qkv_bias without add_bias_linear",
                                      a.get("add_qkv_bias") and not a.get("add_bias_linear", True)))
                    if bad]
@@ -181,8 +180,10 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConf
         vocab_size = a["vocab_size"] + 1 if null else a["padded_vocab_size"]
     dtype = a.get("params_dtype", torch.float32)
     saved = {**{k: a.get(k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                       "seq_length", "max_position_embeddings", "rotary_base", "swiglu",
-                                       "openai_gelu", "init_method_std", "seed")},
+                                       "seq_length", "max_position_embeddings", "rotary_base",
+                                       "init_method_std", "seed")},
+             "swiglu": megatron_activation(a, family) == "swiglu",
+             "openai_gelu": megatron_activation(a, family) == "gelu_tanh",
              "num_query_groups": a.get("num_query_groups") if a.get("group_query_attention") else heads,
              "kv_channels": a.get("kv_channels") or a["hidden_size"] // heads, "vocab_size": vocab_size,
              "make_vocab_size_divisible_by": a.get("make_vocab_size_divisible_by", 128),
@@ -197,6 +198,8 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None) -> GPTConf
     saved["max_position_embeddings"] = saved["max_position_embeddings"] or saved["seq_length"]
     saved["init_method_std"] = saved["init_method_std"] or 0.02
     saved["seed"] = saved["seed"] if saved["seed"] is not None else 1234
+    if family == "legacy":
+        saved["rotary_base"] = 10000
     return GPTConfig.from_saved_args(saved, attention_dropout=a.get("attention_dropout", 0.1),
                                      hidden_dropout=a.get("hidden_dropout", 0.1))
 
@@ -213,7 +216,7 @@ class MegatronCheckpoint:
     """Full megazero tensors of a Megatron-LM legacy checkpoint (see the module doc).
 
     ``config``, ``iteration``, ``directory``, ``args`` (the saved Namespace as a dict), ``tp``,
-    ``pp``, ``vp``, ``tokenizer_flags`` (the recorded tokenizer when megazero has that type);
+    ``pp``, ``vp``, ``family`` (``legacy`` or ``mcore`` keys), ``tokenizer_flags`` (the recorded tokenizer when megazero has that type);
     ``full_tensor(name)`` gives one full, unpadded tensor under megazero's name.
     """
 
@@ -230,11 +233,12 @@ class MegatronCheckpoint:
             raise CheckpointError(f"{self.directory}: rank files give TP {self.tp} PP {self.pp} EP {self.ep}, "
                                   f"args say TP {saved[0]} PP {saved[1]} EP {saved[2]}")
         self.etp = moe.expert_tp(self.args, self.tp)
-        self.config = config_from_megatron_args(self.args, vocab_size)
         chunks = sorted(k for k in first if k == "model" or re.fullmatch(r"model\d+", k))
         self.vp = len(chunks)
         if not chunks:
             raise CheckpointError(f"{files[min(files)]}: no 'model' entry")
+        self.family = "legacy" if "language_model" in first[chunks[0]] else "mcore"
+        self.config = config_from_megatron_args(self.args, vocab_size, self.family)
         self.tensors = self._collect(states, chunks)
         kind = self.args.get("tokenizer_type")
         self.tokenizer_flags = ({k: self.args[k] for k in TOKENIZER_FLAGS if self.args.get(k) is not None}

@@ -1,6 +1,6 @@
 """Write a Megatron-LM legacy (``--ckpt-format torch``) checkpoint of a megazero model, for tests.
 
-Writes what NVIDIA/Megatron-LM (tag core_v0.13.0) writes: ``latest_checkpointed_iteration.txt``
+Writes what NVIDIA/Megatron-LM (tags core_v0.13.0, core_v0.16.1) writes: ``latest_checkpointed_iteration.txt``
 (iteration or ``release``), ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` holding ``args``
 (an ``argparse.Namespace`` with Megatron's names), ``checkpoint_version`` 3.0, ``iteration``,
 ``model`` / ``model0..`` (one per virtual stage), ``optimizer``, ``opt_param_scheduler``,
@@ -34,7 +34,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
+import signal
+
+import numpy as np
 
 import torch
 
@@ -46,23 +50,32 @@ MCORE = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linea
          "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
 
 
-def megatron_args(config, tp: int, pp: int, vp: int | None, padded: int, **extra) -> argparse.Namespace:
+def megatron_args(config, tp: int, pp: int, vp: int | None, padded: int, family: str = "legacy",
+                  **extra) -> argparse.Namespace:
+    """Megatron's ``args`` for ``config``; the activation as each family's model reads it (legacy:
+    ``openai_gelu``; mcore: the tanh gelu of the default ``bias_gelu_fusion``, exact gelu without),
+    ``exit_signal`` a ``signal.Signals`` as Megatron-LM 0.16 stores it; ``extra`` overrides."""
     c = config
+    tanh = c.activation == "gelu_tanh"
+    if family != "legacy":
+        if tanh and not c.add_bias_linear:
+            raise ValueError("an mcore model without biases computes exact gelu (no fused bias-gelu)")
+        extra = {"bias_gelu_fusion": tanh and c.add_bias_linear, **extra}
     if c.moe is not None:
         extra = {**c.moe.to_args(), "moe_layer_freq": list(c.moe.layer_pattern), **extra}
-    return argparse.Namespace(
+    return argparse.Namespace(**{**dict(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
         position_embedding_type=c.position_embedding_type, rotary_base=int(c.rotary_base), rotary_percent=1.0,
         normalization=c.normalization, norm_epsilon=c.norm_epsilon, swiglu=c.activation == "swiglu",
-        openai_gelu=c.activation == "gelu_tanh", add_bias_linear=c.add_bias_linear,
+        openai_gelu=tanh and family == "legacy", add_bias_linear=c.add_bias_linear,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights, padded_vocab_size=padded,
         make_vocab_size_divisible_by=c.make_vocab_size_divisible_by, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp, params_dtype=torch.float32,
         init_method_std=c.init_method_std, seed=c.seed, attention_dropout=0.0, hidden_dropout=0.0,
-        ckpt_format="torch", no_save_optim=False, **extra)
+        ckpt_format="torch", no_save_optim=False, exit_signal=signal.SIGTERM), **extra})
 
 
 def _shard(name: str, full: torch.Tensor, config, tp: int, padded: int) -> list[torch.Tensor]:
@@ -202,14 +215,15 @@ def write_megatron_checkpoint(root: str, full: dict, config, tp: int, pp: int, v
     if config.moe is not None:
         extra_args.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                           moe_grouped_gemm=experts != "sequential", moe_use_legacy_grouped_gemm=experts == "legacy")
-    args = megatron_args(config, tp, pp, vp, padded, **extra_args)
+    args = megatron_args(config, tp, pp, vp, padded, family, **extra_args)
     folder = os.path.join(root, "release" if iteration is None else f"iter_{iteration:07d}")
     for t, e, et in _file_ranks(tp, ep, etp):
         for p in range(pp):
             state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration or 0,
                      "optimizer": {"optimizer": {"state": {}, "param_groups": []}, "fp32_from_fp16_params": []},
                      "opt_param_scheduler": {"num_steps": 160}, "rerun_state_machine": None,
-                     "rng_state": [{"random_rng_state": (3, (1, 2), None), "torch_rng_state": torch.get_rng_state()}]}
+                     "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                                    "torch_rng_state": torch.get_rng_state()}]}
             for c in range(chunks):
                 stage = c * pp + p
                 key = "model" if chunks == 1 else f"model{c}"
