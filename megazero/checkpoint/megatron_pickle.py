@@ -52,7 +52,7 @@ def _numpy_globals() -> dict:
 # the non-Megatron entries of megatron/core/safe_globals.py SAFE_GLOBALS (megatron-core 0.16.1)
 ALLOWED = {"argparse.Namespace": argparse.Namespace, "signal.Signals": signal.Signals,
            "types.SimpleNamespace": types.SimpleNamespace, "pathlib.PosixPath": pathlib.PosixPath,
-           "io.BytesIO": io.BytesIO, **_numpy_globals()}
+           "_io.BytesIO": io.BytesIO, **_numpy_globals()}
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.")
 
 
