@@ -1,6 +1,8 @@
 """Read a Megatron-LM legacy (``--ckpt-format torch``) checkpoint as full megazero tensors.
 
-Facts from NVIDIA/Megatron-LM, tag ``core_v0.13.0``:
+Facts read from NVIDIA/Megatron-LM, tag ``core_v0.13.0``, and checked against megatron-core
+0.16.1 itself (mcore keys, TP/PP/VP layout, QKV and SwiGLU order: tests/peers/, ``make peers``;
+the file's pickled globals: :mod:`megazero.checkpoint.megatron_pickle`):
 
 * Layout (``megatron/training/checkpointing.py``: ``get_checkpoint_name``, ``read_metadata``,
   ``generate_state_dict``): ``DIR/latest_checkpointed_iteration.txt`` holds the iteration or the

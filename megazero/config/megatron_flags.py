@@ -184,10 +184,14 @@ def apply_megatron_flags(args, fail) -> None:
 
 
 def markdown_table(honoured_notes: dict[str, str] | None = None) -> str:
-    """The docs/megatron.md table: flag, class, what it does here."""
+    """The docs/megatron.md table: flag, class, what it does here, checked against the real
+    library (:mod:`megazero.config.megatron_peer_checked`)."""
+    from megazero.config.megatron_peer_checked import peer_checked
     names = {1: "honoured", 2: "no effect here", 3: "not available (error)"}
-    lines = ["| flag | class | here |", "|---|---|---|"]
+    lines = ["| flag | class | here | checked against the real library |", "|---|---|---|---|"]
     for flag in megatron_flags():
         note = (honoured_notes or {}).get(flag.name, flag.note)
-        lines.append(f"| `{' / '.join(flag.options)}` | {names[flag.cls]} | {note.replace('|', '/')} |")
+        checked = next((peer_checked(o) for o in flag.options if peer_checked(o) != peer_checked("")),
+                       peer_checked(""))
+        lines.append(f"| `{' / '.join(flag.options)}` | {names[flag.cls]} | {note.replace('|', '/')} | {checked} |")
     return "\n".join(lines)
