@@ -79,14 +79,12 @@ def report(e: BaseException, prefix: str, debug: bool, file=None) -> None:
 
 @contextlib.contextmanager
 def warnings_as_lines(rank: int, file=None):
-    """Within the block, Python warnings are collected; at its end (also on an error exit) each
-    distinct text is printed once as ``WARNING: text`` -- Megatron's form, without Python's
+    """Within the block, Python warnings are collected; at its normal end each distinct text is
+    printed once as ``WARNING: text`` -- Megatron's form, without Python's
     category and source line -- by global rank 0 only (``rank``: the launcher's, before any process
     group), so a job of N ranks prints each warning once."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            for text in dict.fromkeys(str(w.message) for w in caught) if rank == 0 else ():
-                print(f"WARNING: {text}", file=file or sys.stderr, flush=True)
+        yield  # an error leaving the block (an invalid flag: exit 2) is the job's one message: no warnings
+    for text in dict.fromkeys(str(w.message) for w in caught) if rank == 0 else ():
+        print(f"WARNING: {text}", file=file or sys.stderr, flush=True)

@@ -22,8 +22,9 @@ PEER_CHECKED.update({
     "--openai-gelu": "megatron-core 0.16.1: DIFFERS for training: mcore ignores it (its GELU is tanh under the "
                      "default --bias-gelu-fusion, exact with --no-bias-gelu-fusion); here it is the legacy "
                      "model's tanh GELU; from-megatron follows mcore",
-    "--no-bias-gelu-fusion": "megatron-core 0.16.1: DIFFERS: in mcore it turns tanh GELU into exact GELU; "
-                             "from-megatron honours it, training here does not",
+    "--no-bias-gelu-fusion": "megatron-core 0.16.1: DIFFERS by default: mcore's fused default is tanh GELU, "
+                             "megazero's exact (a start-up WARNING says so and names --openai-gelu); "
+                             "from-megatron honours it",
 })
 PEER_CHECKED.update({"--lr": "megatron-core 0.16.1: AdamW losses (tests/peers/test_megatron_checkpoints.py)",
                      "--data-path": "megatron-core 0.16.1: IndexedDatasetBuilder files "

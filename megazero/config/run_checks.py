@@ -50,6 +50,10 @@ def check_required(err, args) -> None:
     if (args.data_path or args.train_data_path) and args.tokenizer_type is None and not args.load:
         err(f"--tokenizer-type is required to read {'--data-path' if args.data_path else '--train-data-path'} "
             f"(one of {', '.join(TOKENIZERS)}; NullTokenizer with --vocab-size for pre-tokenized ids)")
+    if not (args.swiglu or args.openai_gelu) and args.add_bias_linear and getattr(args, "bias_gelu_fusion", True):
+        warnings.warn("this GELU model with biases trains exact GELU; Megatron-LM's mcore GPT (megatron-core 0.16.1, "
+                      "its default --bias-gelu-fusion) trains the tanh approximation: pass --openai-gelu for "
+                      "Megatron's numbers, or --no-bias-gelu-fusion to say exact GELU is meant", stacklevel=5)
     if args.save_interval is not None and not args.save:
         warnings.warn(f"--save-interval {args.save_interval} without --save: no checkpoint will be written",
                       stacklevel=5)
