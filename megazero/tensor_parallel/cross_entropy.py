@@ -32,7 +32,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = z.shape[-1]
         start = rank * per_rank
         real = torch.arange(start, start + per_rank, device=z.device) < vocab_size  # [V'/p]
-        z = z.masked_fill(~real, float("-inf"))
+        if start + per_rank > vocab_size:  # padded entries here (known on the host): mask them; else no copy
+            z = z.masked_fill(~real, float("-inf"))
         m = z.max(dim=-1).values
         if p > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
