@@ -2,10 +2,10 @@
 
     PYTHONPATH=. .venv/bin/python bench/loop.py [--stage 0 1 2 3] [--log-interval 1 100] [--ranks 4]
         [--iters 5] [--reps 3] [--warmup 1] [--layers 4] [--hidden 256] [--seq 128]
-        [--micro-batch 4] [--global-batch 16] [--vocab 1024]
+        [--micro-batch 4] [--global-batch 16] [--vocab 4096]
 
 megazero: ``megazero.training.setup`` + ``Trainer.train`` from ``pretrain_gpt.py``'s flags (GPT,
-mock data, fp32, dropout 0, ``--clip-grad 1.0``, constant LR, ``--zero-stage S``,
+mock data (vocabulary 4096), fp32, dropout 0, ``--clip-grad 1.0``, constant LR, ``--zero-stage S``,
 ``--log-interval L``), everything the loop does per iteration included (data, schedule, ZeRO
 step, LR, loss agreement, log line). ``--exit-interval K`` makes each ``train()`` call one run of
 ``K`` iterations, so one trainer serves every repetition. Peer, on the same ``GPTModel`` (built
@@ -21,6 +21,10 @@ Prints JSON lines: ``config``, then per (stage, L) ``{"kind": "loop", "megazero_
 "peer_ms": median, "ratio": megazero/peer of the medians, "paired_ratio": median of per-repetition
 ratios, "target", "met"}``; ``load`` (1-minute load average) before and after. Targets (issue 19):
 <= 1.05 at L = 1, <= 1.03 at L = 100 for ZeRO 0-2; ZeRO 3 <= 1.0 x FSDP2.
+
+This compares the loop and the ZeRO machinery only: the peer runs megazero's own model, so model-level
+costs cancel. What a user sees -- ``pretrain_gpt.py``'s logged iteration time against an independent
+plain-PyTorch GPT -- is ``bench/user_loop.py`` with ``bench/ddp_peer.py`` (docs/benchmarks.md, issue 33).
 """
 
 from __future__ import annotations
@@ -221,7 +225,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=4096)  # the issue-33 setup (was 1024)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     before = os.getloadavg()[0]
