@@ -94,7 +94,7 @@ def test_ulysses_traffic_is_its_all_to_alls(monkeypatch, cp, dtype):
     assert plan.ulysses_bytes(shape, s, B, TP, cp, A, True) == pytest.approx(3 * forward)
 
 
-def _saved_beyond_inputs(fn, inputs) -> int:
+def saved_beyond_inputs(fn, inputs) -> int:
     """Bytes autograd saves while ``fn`` runs, beyond the size of ``inputs`` (q, k, v: Korthikanti's
     Q, K, V, whichever copies of them are saved)."""
     storages = {}
@@ -115,7 +115,7 @@ def test_cp_attention_keeps_its_output_and_log_sum_exp(monkeypatch, kind):
     q, k, v, _ = _qkv(shape, cp, torch.bfloat16)
     run = (lambda: cpa.RingAttention.apply(q, k, v, _Ring(cp, 0))) if kind == "p2p" else \
         (lambda: cpa.ulysses_attention(q, k, v, None, cp, enable_gqa=True))
-    got = _saved_beyond_inputs(run, (q, k, v))
+    got = saved_beyond_inputs(run, (q, k, v))
     assert got == plan.cp_attention_kept_bytes(shape, shape.seq_length // cp, B, TP, cp, 2)
     assert plan.cp_attention_kept_bytes(shape, 16, B, TP, 1, 2) == 0
 

@@ -13,6 +13,7 @@ from megazero.model import GPTConfig
 from megazero.planner.cli import main as planner_main
 from megazero.planner.presets import GPUS
 from megazero.planner.timing import flops_per_token, step_time, within_node
+from tests.test_plan_cp import saved_beyond_inputs
 
 GiB = 2 ** 30
 
@@ -113,18 +114,6 @@ def test_llama_70b_nemo_layout_on_32_h100(capsys):
     assert not any(r["fits"] for r in rows if r["tp"] * r["cp"] == 1)  # 70B needs model or context parallelism
 
 
-def _saved_beyond_inputs(fn, inputs) -> int:
-    """Bytes autograd saves while ``fn`` runs, beyond the size of ``inputs``."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values()) - sum(t.numel() * t.element_size() for t in inputs)
-
-
 @pytest.mark.parametrize("backend,dropout", [(SDPBackend.FLASH_ATTENTION, 0.0), (SDPBackend.MATH, 0.0),
                                              (SDPBackend.MATH, 0.1)])
 def test_attention_kernels_keep_what_the_planner_assumes(backend, dropout):
@@ -135,7 +124,7 @@ def test_attention_kernels_keep_what_the_planner_assumes(backend, dropout):
     b, a, s, d = 2, 4, 128, 16
     q, k, v = (torch.randn(b, a, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with sdpa_kernel([backend]):
-        got = _saved_beyond_inputs(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True),
+        got = saved_beyond_inputs(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True),
                                    (q, k, v))
     if backend == SDPBackend.FLASH_ATTENTION:
         assert got == b * a * s * d * 2 + b * a * s * 4
