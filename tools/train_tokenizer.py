@@ -25,6 +25,9 @@ import re
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megazero.checkpoint.guard import checkpoint_holding  # noqa: E402
+
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -94,6 +97,11 @@ def main(argv=None) -> int:
     args = get_args(argv)
     if not os.path.isfile(args.input):
         print(f"error: {args.input}: no such file", file=sys.stderr)
+        return 1
+    inside = checkpoint_holding(os.path.dirname(os.path.abspath(args.output_prefix)))
+    if inside is not None:  # e.g. a checkpoint's tokenizer/ folder: its tokenizer would be replaced
+        print(f"error: --output-prefix {args.output_prefix} is inside the checkpoint folder {inside}: choose a "
+              "folder outside it", file=sys.stderr)
         return 1
     try:
         model = train(args)

@@ -183,3 +183,14 @@ def test_preprocess_output_inside_a_checkpoint_is_refused(ck, tmp_path, capsys):
                                  "NullTokenizer", "--vocab-size", "10"]) == 1
     assert f"--output-prefix {ck}/data is inside the checkpoint folder {ck}" in capsys.readouterr().err
     assert digest(ck) == before
+
+
+def test_train_tokenizer_output_inside_a_checkpoint_is_refused(ck, tmp_path, capsys):
+    import train_tokenizer
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a b c."}\n')
+    before = digest(ck)
+    assert train_tokenizer.main(["--input", str(src), "--vocab-size", "8", "--output-prefix",
+                                 str(ck / "tokenizer" / "tokenizer")]) == 1
+    assert f"--output-prefix {ck}/tokenizer/tokenizer is inside the checkpoint folder {ck}" in capsys.readouterr().err
+    assert digest(ck) == before
