@@ -37,6 +37,7 @@ import argparse
 import os
 import sys
 
+from megazero.config.checkpoint_args import apply_checkpoint_args
 from megazero.config.checks import derive, report, resolve_aliases, validate
 from megazero.config.deepspeed_config import apply_deepspeed_config
 from megazero.config.flags import build_parser
@@ -101,7 +102,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None, pro
     parser = build_parser(prog)
     args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()
-    problems = early_problems(args)
+    problems = []
+    apply_checkpoint_args(args, problems.append)  # before every check, as Megatron-LM
+    problems += early_problems(args)
     apply_megatron_flags(args, problems.append)
     resolve_aliases(args)
     if args.deepspeed_config:

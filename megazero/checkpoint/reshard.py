@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megazero.checkpoint import schema
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.schema import CheckpointError
-from megazero.model.config import SHAPE_KEYS
+from megazero.model.saved_args import model_arg_diffs
 from megazero.tensor_parallel.spec import named_tp_params, to_local
 
 OPT_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -101,17 +101,19 @@ def same_layout(reader: CheckpointReader, layout: dict, index: dict) -> bool:
 
 
 def check_model_shape(reader: CheckpointReader, model_config) -> None:
-    """Refuse a checkpoint of another model (the parallel layout may differ, the shape may not):
-    the saved arguments must agree with ``model_config.to_args()`` on :data:`SHAPE_KEYS` present
-    in both (``max_position_embeddings`` only with learned positions)."""
-    keys = SHAPE_KEYS
-    saved, now = reader.args, model_config.to_args()
-    if saved.get("position_embedding_type") == "rope":  # no weight depends on it
-        keys = tuple(k for k in keys if k != "max_position_embeddings")
-    diffs = [f"{k} saved {saved.get(k)} vs now {now.get(k)}" for k in keys
-             if k in saved and k in now and saved[k] != now[k]]
+    """Refuse a checkpoint of another model (the parallel layout may differ, the model may not):
+    the saved arguments must agree with ``model_config.to_args()`` on every model-defining
+    argument recorded in both (:data:`~megazero.model.saved_args.MODEL_KEYS`: shapes, activation,
+    normalization, positions, biases, tying, GQA, router)."""
+    diffs = model_arg_diffs(reader.args, model_config.to_args())
     if diffs:
-        raise CheckpointError(f"{reader.directory} holds another model: " + "; ".join(diffs))
+        raise CheckpointError(model_mismatch_message(str(reader.directory), diffs))
+
+
+def model_mismatch_message(where: str, diffs: list[str]) -> str:
+    """The one line that refuses a load of another model, naming every difference."""
+    return (f"{where} holds another model than the command line describes: " + "; ".join(diffs)
+            + " (give the checkpoint's values, or --use-checkpoint-args to take them from it)")
 
 
 @torch.no_grad()

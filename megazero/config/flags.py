@@ -158,6 +158,8 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only and reset iteration to 0")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags from the --load checkpoint's saved arguments (Megatron-LM's list)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load and no checkpoint there, exit instead of starting from scratch")
     g.add_argument("--ckpt-format", default="torch_dist",

@@ -48,10 +48,13 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.guard import guard_save_dir
+from megazero.checkpoint import CheckpointError
 from megazero.checkpoint.files import latest_saved_args
+from megazero.checkpoint.reshard import model_mismatch_message
 from megazero.config.configs import RunConfig
 from megazero.config.run_config import data_config, run_config
 from megazero.data.tokenizers import saved_tokenizer_flags
+from megazero.model.saved_args import model_arg_diffs
 from megazero.model.stages import ModelStages, gpt_stages, provider_options
 from megazero.parallel.launch import current_rank, init_distributed
 from megazero.parallel.topology import Topology
@@ -71,12 +74,18 @@ def build_configs(args) -> RunConfig:
     group. With ``--load`` and no ``--tokenizer-type``, the tokenizer the latest checkpoint there
     recorded (an imported model: ``convert_checkpoint.py from-hf`` records ``DIR/tokenizer``), so
     it trains and saves with its own tokenizer. The vocabulary size is the tokenizer's
-    (``--vocab-size`` with mock data)."""
-    if args.tokenizer_type is None and args.load:
-        saved = latest_saved_args(args.load)
-        flags = saved_tokenizer_flags(saved, args.load) if saved is not None else {}
+    (``--vocab-size`` with mock data). A model-defining flag that differs from what that
+    checkpoint recorded (:data:`~megazero.model.saved_args.MODEL_KEYS`) is refused here, naming
+    every difference, before any work."""
+    saved = latest_saved_args(args.load) if args.load else None
+    if args.tokenizer_type is None and saved is not None:
+        flags = saved_tokenizer_flags(saved, args.load)
         args = args.replace(**flags) if flags else args
-    return run_config(args, vocab_size=vocab_size_of(data_config(args)))
+    config = run_config(args, vocab_size=vocab_size_of(data_config(args)))
+    diffs = model_arg_diffs(saved, config.model.to_args()) if saved else []
+    if diffs:  # before any process group: every rank refuses alike
+        raise CheckpointError(model_mismatch_message(f"--load {args.load}", diffs))
+    return config
 
 
 def build_model(config: RunConfig, topo: Topology, provider, device) -> ModelStages:
