@@ -222,8 +222,10 @@ def load_run(root: str, *, topo, stages, optimizer, layout: dict, model_config=N
         load_resharded(reader, stages.chunks, optimizer, load_optim=load_optim)
         load_buffers(reader, stages.chunks)
         state = reader.rank_state(0)  # scheduler and counters: the same on every rank
-        _print0(f"resharded {schema.iteration_dir(root, iteration)} (saved as {meta[schema.LAYOUT]}) into "
-                f"{layout} in {time.time() - t0:.2f} s; note: RNG states are not restored across layouts, "
+        folder, saved = schema.iteration_dir(root, iteration), meta[schema.LAYOUT]
+        how = (f"loaded {folder} in the layout it was saved in ({layout}), its ZeRO shards re-cut"
+               if not schema.layout_diffs(saved, layout) else f"resharded {folder} (saved as {saved}) into {layout}")
+        _print0(f"{how} in {time.time() - t0:.2f} s; note: RNG states are not restored when resharding, "
                 "this run's --seed streams are used")
     path = "exact" if exact else "resharded"
     read = reader.bytes_read if reader is not None else 0

@@ -97,6 +97,17 @@ def build_model(config: RunConfig, topo: Topology, provider, device) -> ModelSta
     return stages
 
 
+def print_parameter_count(topo: Topology, stages: ModelStages) -> None:
+    """Megatron-LM's start-up line, one per (TP, PP) rank, printed by its DP x CP rank 0
+    (megatron/training/training.py ``get_model``, core_v0.16.0): the elements of this rank's
+    chunks' parameters (TP shards, padded vocabulary, a tied embedding's copy on the last
+    stage included), counted before ZeRO flattens or shards them."""
+    if topo.dp_cp_rank == 0:
+        n = sum(p.nelement() for chunk in stages.chunks for p in chunk.parameters())
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({topo.tp_rank}, "
+              f"{topo.pp_rank}): {n}", flush=True)
+
+
 def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshold: bool = True):
     """Build everything one rank trains with, in the order of the module docstring; returns the
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded. ``run``: a
@@ -124,6 +135,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     seed_host_generators(config.seed + 100 * topo.pp_rank)                                          # 4
     datasets = build_datasets(config.data, config.schedule, config.model.vocab_size)                 # 5
     stages = build_model(config, topo, model_provider or gpt_stages, device)                         # 6
+    print_parameter_count(topo, stages)
     optimizer = ZeroOptimizer(stages.chunks, topo, **config.optimizer.kwargs(),                      # 7
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,

@@ -3,6 +3,8 @@
 
 import pytest
 
+import megazero
+
 from megazero.arguments import parse_args
 from megazero.checkpoint import schema
 from megazero.config import checkpoint_args
@@ -45,7 +47,10 @@ def test_use_checkpoint_args_resumes_with_the_model_flags_omitted(gelu_tanh_ck, 
     args = parse_args(argv, world_size=1, training=True)
     assert (args.num_layers, args.hidden_size, args.openai_gelu, args.normalization) == (2, 32, True, "RMSNorm")
     assert pretrain(args) == 0
-    assert "iteration        4/       4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "iteration        4/       4" in out
+    n = sum(p.numel() for p in megazero.load_model(str(gelu_tanh_ck)).gpt.parameters())  # TP 1: vocab 128 rows
+    assert f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {n}\n" in out, out
 
 
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path, capsys):
