@@ -57,8 +57,8 @@ EVAL_AND_LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 
-cd "$ROOT"
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+# no cd: the caller's relative paths (checkpoints, logs, data) stay relative to where it runs
+"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
     "${GPT_MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \
     "${MODEL_PARALLEL_ARGS[@]}" \

@@ -108,5 +108,5 @@ EVAL_AND_LOGGING_ARGS=(
 )
 ALL=(${MODEL_ARGS[@]} ${TRAINING_ARGS[@]} ${DTYPE_ARGS[@]} ${MODEL_PARALLEL_ARGS[@]} ${DATA_ARGS_LIST[@]} ${EVAL_AND_LOGGING_ARGS[@]})
 
-cd "$ROOT"
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py "${ALL[@]}"
+# no cd: the caller's relative paths (checkpoints, logs, data) stay relative to where it runs
+"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" "${ALL[@]}"

@@ -91,7 +91,7 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
     )
 fi
 
-cd "$ROOT"
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
+# no cd: the caller's relative paths (checkpoints, logs, data) stay relative to where it runs
+"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT/pretrain_gpt.py" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
     "${MODEL_PARALLEL_ARGS[@]}" "${LOGGING_ARGS[@]}"

@@ -14,19 +14,21 @@ ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \|")
 
 
-def script(name, *argv, **env):
+def script(name, *argv, cwd=None, **env):
     out = subprocess.run(["bash", str(ROOT / "examples" / "megatron" / name), *map(str, argv)], capture_output=True,
-                         text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+                         text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", **env), cwd=cwd)
     return out, [LINE.match(l).groups() for l in out.stdout.splitlines() if LINE.match(l)]
 
 
 def test_gpt3_script_trains_saves_and_resumes(tmp_path):
+    """Relative paths are the caller's: run from tmp_path, the checkpoints land there, not in the clone."""
     ck, tb = tmp_path / "ck", tmp_path / "tb"
-    out, lines = script("train_gpt3_distributed.sh", ck, tb, 4)
+    out, lines = script("train_gpt3_distributed.sh", "ck", "tb", 4, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "starting from scratch" in out.stdout  # --load ck does not exist yet on the first run
     assert [l[0] for l in lines] == ["1", "2", "3", "4"] and lines[-1][2] == "16"  # 4 samples/iteration (schedule)
-    out, lines = script("train_gpt3_distributed.sh", ck, tb, 6)
+    assert ck.is_dir() and tb.is_dir() and not (ROOT / "ck").exists()
+    out, lines = script("train_gpt3_distributed.sh", "ck", "tb", 6, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [l[0] for l in lines] == ["5", "6"] and lines[-1][2] == "24"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
