@@ -81,3 +81,13 @@ def test_every_model_defining_difference_is_named_and_equal_values_pass():
 def test_the_arguments_package_reads_the_checkpoint_format_by_its_names():
     assert checkpoint_args.POINTER == schema.LATEST
     assert checkpoint_args.METADATA.format(5) == f"{schema.ITERATION_PREFIX}0000005/{schema.METADATA}"
+
+
+def test_a_same_layout_load_that_recuts_zero_shards_says_loaded(gelu_tanh_ck, tmp_path, capsys):
+    from megazero.training import pretrain
+    argv = BASE + ["--train-iters", "3", "--load", str(gelu_tanh_ck), "--openai-gelu", "--normalization", "RMSNorm",
+                   "--zero-reduce-bucket-size", "5000", "--save", str(tmp_path / "next")]
+    assert pretrain(parse_args(argv, world_size=1, training=True)) == 0
+    out = capsys.readouterr().out
+    assert f"loaded {gelu_tanh_ck}/iter_0000002 in the layout it was saved in (" in out, out
+    assert "resharded" not in out
