@@ -49,8 +49,5 @@ def apply_checkpoint_args(args, problem) -> None:
     if why:
         problem(why)
         return
-    values = checkpoint_model_args(saved, vars(args))
-    if not values.get("group_query_attention", args.group_query_attention):
-        values["num_query_groups"] = None  # recorded as the head count; Megatron wants it unset
-    for key, value in values.items():
+    for key, value in checkpoint_model_args(saved, vars(args)).items():
         setattr(args, key, value)

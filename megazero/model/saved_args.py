@@ -59,8 +59,16 @@ def model_arg_diffs(saved: dict, now: dict) -> list[str]:
 
 def checkpoint_model_args(saved: dict, given: dict) -> dict:
     """The values ``--use-checkpoint-args`` sets: each forced argument the checkpoint recorded
-    (not None), and each if-unset one the command line left None (``given``: the flags' values)."""
+    (not None), and each if-unset one the command line left None (``given``: the flags' values).
+    GQA: the recorded switch, or (an import records none) on when the group count differs from
+    the head count; the group count only with it (megazero refuses a count without the switch)."""
     out = {k: saved[k] for k in CHECKPOINT_ARGS_FORCED if saved.get(k) is not None and k in given}
     out.update({k: saved[k] for k in CHECKPOINT_ARGS_IF_UNSET
                 if saved.get(k) is not None and given.get(k, 0) is None})
+    if "group_query_attention" in given:  # megazero records the group count even without GQA (= heads)
+        gqa = saved.get("group_query_attention")
+        if gqa is None:  # an import records the model's arguments only
+            gqa = saved.get("num_query_groups") not in (None, saved.get("num_attention_heads"))
+        out["group_query_attention"] = bool(gqa)
+        out["num_query_groups"] = saved.get("num_query_groups") if gqa else None
     return out

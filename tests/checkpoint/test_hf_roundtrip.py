@@ -106,3 +106,36 @@ def test_trains_in_3d_then_exports(imported, tmp_path):
                                rtol=1e-5, atol=1e-5)
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     assert tok(PROMPTS[0]).input_ids == transformers.AutoTokenizer.from_pretrained(hf_dir)(PROMPTS[0]).input_ids
+
+
+def test_load_model_gives_transformers_logits(imported):
+    """``megazero.load_model`` of the import: one process, logits over the real vocabulary."""
+    import megazero
+    style, _, model, mz, _, _ = imported
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours = megazero.load_model(mz)
+    with torch.no_grad():
+        logits = ours(ids)
+    assert logits.shape == (2, 16, model.config.vocab_size)
+    assert (logits - hf_logits(model, ids)).abs().max().item() <= 1e-5, style
+
+
+def test_an_import_loaded_without_its_flags_is_refused_and_use_checkpoint_args_takes_them(imported):
+    """Issue 30's example: GPT-2 without --openai-gelu would train exact GELU; it is refused, naming
+    the flag; --use-checkpoint-args with no model flag at all builds the imported model."""
+    from megazero.arguments import parse_args
+    from megazero.checkpoint import CheckpointError
+    from megazero.training.build import build_configs
+    from tests.faults.common import TINY
+    style, _, _, mz, config, _ = imported
+    run = TINY[8:] + ["--seq-length", "16", "--mock-data", "--train-iters", "2", "--load", mz]
+    dropped = "--openai-gelu" if style == "gpt2" else "--swiglu"
+    flags = [f for f in tool().pretrain_flags(config).split() if f != dropped]
+    with pytest.raises(CheckpointError) as e:
+        build_configs(parse_args(flags + run, world_size=1, training=True))
+    assert str(e.value) == (f"--load {mz} holds another model than the command line describes: {dropped}: command "
+                            "line False, checkpoint True (give the checkpoint's values, or --use-checkpoint-args "
+                            "to take them from it)")
+    vocab = ["--vocab-size", str(config.vocab_size)]  # the data's, not a model flag (Megatron copies none)
+    built = build_configs(parse_args(run + vocab + ["--use-checkpoint-args"], world_size=1, training=True)).model
+    assert built.activation == config.activation and built.num_layers == config.num_layers
