@@ -166,7 +166,8 @@ def mixtral_command_line(tmp_path, gpus=4) -> list[str]:
                          env=dict(os.environ, PYTHON=str(stub), GPUS_PER_NODE=str(gpus)))
     assert out.returncode == 0, out.stderr
     argv = out.stdout.splitlines()
-    return argv[argv.index("pretrain_gpt.py") + 1:]
+    script = next(i for i, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))  # the script by its full path
+    return argv[script + 1:]
 
 
 @pytest.mark.filterwarnings("ignore:--sequence-parallel needs")
