@@ -89,8 +89,7 @@ class ZeroEngine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """One micro-step; the optimizer and scheduler (``step(**lr_kwargs)``) step at an
-        accumulation boundary."""
-        check_unchanged(self.module, self._signature)
+        accumulation boundary (the parameter set was checked by this micro-step's forward)."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.config.micro_batch_size * self.topo.dp
