@@ -26,6 +26,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint import reshard
+
 FORMAT = "megazero-engine-1"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -46,16 +48,10 @@ def names(module) -> tuple[dict, dict]:
 
 
 def persistent_buffers(module) -> dict:
-    """The buffers ``module.state_dict()`` would hold, without calling it (at stage 3 that
-    gathers every unit, a collective); a buffer registered ``persistent=False`` is left out, as
-    torch leaves it out (its ``_non_persistent_buffers_set``, read, as DeepSpeed reads it)."""
-    out = {}
-    for prefix, m in module.named_modules():
-        skip = getattr(m, "_non_persistent_buffers_set", set())
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in skip:
-                out[f"{prefix}.{name}" if prefix else name] = b.detach().cpu().clone()
-    return out
+    """The buffers ``module.state_dict()`` would hold (each tensor once), cloned to the CPU, without
+    calling it (at stage 3 that gathers every unit, a collective): the trainer's own walk,
+    :func:`megazero.checkpoint.reshard.persistent_buffers`, over the one module."""
+    return {name: buf.detach().cpu().clone() for _, name, buf in reshard.persistent_buffers([module])}
 
 
 def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> str:
