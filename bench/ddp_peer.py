@@ -62,16 +62,10 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
-    for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("micro-batch", 4),
-                          ("global-batch", 16), ("vocab", 4096), ("iters", 10)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build(a, rank: int, world: int):
+    """The peer of ``a`` (``mode``, sizes, ``iters`` unused) on this rank: ``step(it) -> ms``, one
+    whole step (micro-batches, clipping, AdamW, the loss all-reduced and read, a barrier) timed.
+    ``bench/loop.py`` runs it in its own ranks beside megazero's; :func:`main` under torchrun."""
     torch.manual_seed(1234)
     model = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab)
     if a.mode == "ddp":
@@ -85,8 +79,8 @@ def main(argv=None):
     m = a.global_batch // (a.micro_batch * world)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=gen) for _ in range(8)]
-    times = []
-    for it in range(a.iters):
+
+    def step(it: int) -> float:
         t0 = time.perf_counter()
         total = torch.zeros(())
         for k in range(m):
@@ -102,7 +96,22 @@ def main(argv=None):
         dist.all_reduce(total)
         total.item()
         dist.barrier()
-        times.append((time.perf_counter() - t0) * 1000)
+        return (time.perf_counter() - t0) * 1000
+    return step
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
+    for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("micro-batch", 4),
+                          ("global-batch", 16), ("vocab", 4096), ("iters", 10)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step = build(a, rank, world)
+    times = [step(it) for it in range(a.iters)]
     if rank == world - 1:
         print(json.dumps({"mode": a.mode, "step_ms": [round(t, 1) for t in times],
                           "median_ms": round(statistics.median(times[3:]), 2), "load": os.getloadavg()[0]}), flush=True)

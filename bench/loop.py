@@ -1,39 +1,44 @@
-"""The whole training iteration: megazero's loop against a bare PyTorch loop, same model and batches.
+"""The whole training iteration as a user sees it: megazero's logged iteration time against two
+bare PyTorch loops' whole steps, same sizes, in the same ranks.
 
-    PYTHONPATH=. .venv/bin/python bench/loop.py [--stage 0 1 2 3] [--log-interval 1 100] [--ranks 4]
+    PYTHONPATH=. .venv/bin/python bench/loop.py [--stage 0 1 2 3] [--log-interval 1] [--ranks 4]
         [--iters 5] [--reps 3] [--warmup 1] [--layers 4] [--hidden 256] [--seq 128]
         [--micro-batch 4] [--global-batch 16] [--vocab 4096]
 
 megazero: ``megazero.training.setup`` + ``Trainer.train`` from ``pretrain_gpt.py``'s flags (GPT,
-mock data (vocabulary 4096), fp32, dropout 0, ``--clip-grad 1.0``, constant LR, ``--zero-stage S``,
-``--log-interval L``), everything the loop does per iteration included (data, schedule, ZeRO
-step, LR, loss agreement, log line). ``--exit-interval K`` makes each ``train()`` call one run of
-``K`` iterations, so one trainer serves every repetition. Peer, on the same ``GPTModel`` (built
-with the same name-seeded weights) and the same micro-batches (the same mock dataset and
-Megatron sampler, read on the main thread): ZeRO 0/1/2 -> ``DistributedDataParallel`` +
-``AdamW(foreach)`` + ``clip_grad_norm_`` + one ``barrier`` per iteration, the loss all-reduced
-and read every ``L`` iterations; ZeRO 3 -> the same loop with FSDP2 ``fully_shard`` on each
-transformer layer and the root.
+mock data, fp32, dropout 0, ``--clip-grad 1.0``, constant LR, ``--zero-stage S``,
+``--log-interval L``); its figure is what its log lines say, the ``elapsed time per iteration
+(ms)`` (``--exit-interval K``: each ``train()`` call is one run of ``K`` iterations). Two peers,
+each timed per whole step (micro-batches, ``clip_grad_norm_``, AdamW, the loss all-reduced and
+read, a barrier) -- ZeRO 0/1/2 under ``DistributedDataParallel``, ZeRO 3 under FSDP2
+``fully_shard`` per layer and on the root:
 
-Runs are interleaved (megazero then peer, peer then megazero on the next repetition) so that a
-shared box's load hits both alike. Per run: the slowest rank's wall time / K (barrier before).
-Prints JSON lines: ``config``, then per (stage, L) ``{"kind": "loop", "megazero_ms": median,
-"peer_ms": median, "ratio": megazero/peer of the medians, "paired_ratio": median of per-repetition
-ratios, "target", "met"}``; ``load`` (1-minute load average) before and after. Targets (issue 19):
-<= 1.05 at L = 1, <= 1.03 at L = 100 for ZeRO 0-2; ZeRO 3 <= 1.0 x FSDP2.
+* ``peer``: a bare loop on megazero's own ``GPTModel`` (same name-seeded weights, the same mock
+  batches through Megatron's sampler, read on the main thread inside the step): model costs
+  cancel, so its ratio isolates the loop and the ZeRO machinery;
+* ``independent``: ``bench/ddp_peer.py``'s plain-PyTorch GPT (nothing of megazero; in-memory
+  batches), the peer of ``bench/user_loop.py``: its ratio includes megazero's model.
 
-This compares the loop and the ZeRO machinery only: the peer runs megazero's own model, so model-level
-costs cancel. What a user sees -- ``pretrain_gpt.py``'s logged iteration time against an independent
-plain-PyTorch GPT -- is ``bench/user_loop.py`` with ``bench/ddp_peer.py`` (docs/benchmarks.md, issue 33).
+The two ratios agreeing (``agree``: within the larger half-spread of their per-repetition ratios)
+says megazero's model costs what a plain PyTorch GPT costs. Each stage runs in ranks of its own
+(``run_distributed`` per stage) so that one stage's process-wide setting -- ZeRO-3's fixed glibc
+mmap threshold (``megazero.training.setup``) -- cannot tax the others or the peers of another
+stage; inside a stage the peers share it. Runs rotate their order every repetition. Prints JSON
+lines: ``config``, per (stage, L) ``{"kind": "loop", "megazero_ms": median logged ms,
+"peer_ms", "independent_ms": median step ms, "ratio", "paired_ratio", "independent_ratio",
+"independent_paired_ratio", "agree", "target", "met", CPU ms per iteration per system}``,
+then ``load``. Targets (issue 33): <= 1.05 for ZeRO 0-2 against DDP, ZeRO 3 <= 1.0 x FSDP2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
+import re
 import resource
 import statistics
 import time
@@ -42,6 +47,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.testing import run_distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def megatron_argv(a, stage: int, log_interval: int) -> list[str]:
@@ -56,9 +63,13 @@ def megatron_argv(a, stage: int, log_interval: int) -> list[str]:
             "--zero-stage", str(stage), "--distributed-backend", "gloo", "--seed", "1234"]
 
 
+LOGGED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
 def _megazero(a, world: int, stage: int, log_interval: int):
     """A trainer; ``run()`` trains ``a.iters`` iterations (one ``train()`` call) and returns the
-    number of log lines printed (on the last rank)."""
+    ``elapsed time per iteration (ms)`` of the log lines it printed (the last rank logs; the
+    other ranks return [])."""
     from megazero.arguments import parse_args
     from megazero.training import setup
     out = io.StringIO()
@@ -69,8 +80,24 @@ def _megazero(a, world: int, stage: int, log_interval: int):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             trainer.train(None)
-        return sum(" iteration " in line for line in buf.getvalue().splitlines())
+        return [float(x) for x in LOGGED.findall(buf.getvalue())]
     return run, trainer.config
+
+
+def _independent(a, world: int, rank: int, fsdp: bool):
+    """``bench/ddp_peer.py``'s plain GPT in these ranks; ``run() -> [step ms]``."""
+    spec = importlib.util.spec_from_file_location("bench_ddp_peer", os.path.join(HERE, "ddp_peer.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    sizes = argparse.Namespace(mode="fsdp2" if fsdp else "ddp", layers=a.layers, hidden=a.hidden, heads=a.heads,
+                               seq=a.seq, micro_batch=a.micro_batch, global_batch=a.global_batch, vocab=a.vocab)
+    step, count = peer.build(sizes, rank, world), [0]
+
+    def run():
+        times = [step(count[0] + i) for i in range(a.iters)]
+        count[0] += a.iters
+        return times
+    return run
 
 
 def _peer(a, world: int, rank: int, config, fsdp: bool):
@@ -112,9 +139,10 @@ def _peer(a, world: int, rank: int, config, fsdp: bool):
         while True:
             yield from PretrainingSampler(len(dataset), 0, data.micro_batch_size, rank, world)
 
-    def run(log_interval: int, indices) -> int:
-        printed = 0
+    def run(log_interval: int, indices) -> list[float]:
+        steps = []
         for _ in range(a.iters):
+            t0 = time.perf_counter()
             state["losses"].append(torch.stack([micro_step(k, indices) for k in range(m)]).mean())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -126,10 +154,10 @@ def _peer(a, world: int, rank: int, config, fsdp: bool):
                 loss = total.item() / world
                 if rank == world - 1:
                     print(f" iteration {state['iteration']:8d} | lm loss: {loss:.6E} |", file=sink)
-                    printed += 1
                 state["losses"].clear()
             dist.barrier()
-        return printed
+            steps.append((time.perf_counter() - t0) * 1000)
+        return steps
     return run, samples
 
 
@@ -139,99 +167,110 @@ def _cpu_seconds() -> float:
     return use.ru_utime + use.ru_stime
 
 
-def _timed(run) -> tuple[float, float, int]:
-    """(slowest rank's wall seconds, CPU seconds summed over the ranks, run's return value). The
-    CPU time is the load-insensitive diagnostic: what the system costs whatever else runs."""
+def _timed(run) -> tuple[float, list]:
+    """(CPU seconds summed over the ranks, run's return value: its per-iteration ms). The CPU
+    time is the load-insensitive diagnostic: what the system costs whatever else runs."""
     dist.barrier()
-    t0, c0 = time.perf_counter(), _cpu_seconds()
+    c0 = _cpu_seconds()
     value = run()
-    t = torch.tensor([time.perf_counter() - t0])
     c = torch.tensor([_cpu_seconds() - c0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.all_reduce(c)
-    return t.item(), c.item(), value
+    return c.item(), value
 
 
-def _bench(rank, world, a):
-    systems, peers = [], {}
-    for stage in a.stage:
-        for li in a.log_interval:
-            mz, config = _megazero(a, world, stage, li)
-            kind = "fsdp2" if stage == 3 else "ddp"
-            if kind not in peers:
-                peers[kind] = _peer(a, world, rank, config, fsdp=stage == 3)
-            peer, samples = peers[kind]
-            systems.append((stage, li, kind, mz, lambda peer=peer, li=li, it=samples(): peer(li, it)))
-    times = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
-    cpu = {(s, li): {"megazero": [], "peer": []} for s, li, *_ in systems}
-    logs = {(s, li): 0 for s, li, *_ in systems}
+SYSTEMS = ("megazero", "peer", "independent")
+
+
+def _bench(rank, world, a, stage: int):
+    """One stage in these ranks: every (system, L) run ``a.warmup + a.reps`` times, order rotating."""
+    kind = "fsdp2" if stage == 3 else "ddp"
+    cells = []
+    for li in a.log_interval:
+        mz, config = _megazero(a, world, stage, li)
+        peer, samples = _peer(a, world, rank, config, fsdp=stage == 3)
+        runs = {"megazero": mz, "peer": lambda peer=peer, li=li, it=samples(): peer(li, it),
+                "independent": _independent(a, world, rank, fsdp=stage == 3)}
+        cells.append((li, runs))
+    ms = {(li, s): [] for li, _ in cells for s in SYSTEMS}
+    cpu = {(li, s): [] for li, _ in cells for s in SYSTEMS}
     for rep in range(a.warmup + a.reps):
-        for stage, li, _, mz, peer in systems:
-            order = (("megazero", mz), ("peer", peer)) if rep % 2 == 0 else (("peer", peer), ("megazero", mz))
-            for name, run in order:
-                t, c, printed = _timed(run)
-                if rank == world - 1:
-                    print(json.dumps({"kind": "run", "rep": rep, "stage": stage, "log_interval": li, "system": name,
-                                      "ms": round(t / a.iters * 1000, 2), "cpu_ms": round(c / a.iters * 1000, 2),
-                                      "load": os.getloadavg()[0]}), flush=True)
+        for li, runs in cells:
+            order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]
+            for name in order:
+                c, per_iteration = _timed(runs[name])
+                if rank != world - 1:
+                    continue
+                if name == "megazero" and len(per_iteration) != a.iters // li:
+                    raise RuntimeError(f"megazero printed {len(per_iteration)} log lines in {a.iters} iterations "
+                                       f"at --log-interval {li}")
+                print(json.dumps({"kind": "run", "rep": rep, "stage": stage, "log_interval": li, "system": name,
+                                  "ms": round(statistics.median(per_iteration), 2),
+                                  "cpu_ms": round(c / a.iters * 1000, 2), "load": os.getloadavg()[0]}), flush=True)
                 if rep >= a.warmup:
-                    times[(stage, li)][name].append(t / a.iters * 1000)
-                    cpu[(stage, li)][name].append(c / a.iters * 1000)
-                    logs[(stage, li)] += printed if name == "megazero" else 0
-    return _results(a, systems, times, cpu, logs) if rank == world - 1 else None
+                    ms[(li, name)].append(statistics.median(per_iteration))
+                    cpu[(li, name)].append(c / a.iters * 1000)
+    if rank != world - 1:
+        return None
+    return [_row(stage, li, kind, ms, cpu) for li, _ in cells]
 
 
-def _results(a, systems, times, cpu, logs) -> list[dict]:
-    lines = []
-    for stage, li, kind, *_ in systems:
-        mz, peer = times[(stage, li)]["megazero"], times[(stage, li)]["peer"]
-        mz_cpu, peer_cpu = (statistics.median(cpu[(stage, li)][k]) for k in ("megazero", "peer"))
-        ratio = statistics.median(mz) / statistics.median(peer)
-        target = 1.0 if stage == 3 else (1.05 if li == 1 else 1.03)
-        lines.append({"kind": "loop", "stage": stage, "log_interval": li, "peer": kind,
-                      "megazero_ms": round(statistics.median(mz), 2), "peer_ms": round(statistics.median(peer), 2),
-                      "ratio": round(ratio, 3),
-                      "paired_ratio": round(statistics.median(x / y for x, y in zip(mz, peer)), 3),
-                      "target": target, "met": ratio <= target,
-                      "megazero_cpu_ms": round(mz_cpu, 1), "peer_cpu_ms": round(peer_cpu, 1),
-                      "cpu_ratio": round(mz_cpu / peer_cpu, 3), "megazero_log_lines": logs[(stage, li)],
-                      "megazero_runs_ms": [round(x, 1) for x in mz], "peer_runs_ms": [round(x, 1) for x in peer]})
-    return lines
+def _row(stage: int, li: int, kind: str, ms: dict, cpu: dict) -> dict:
+    """One (stage, L) result: medians over repetitions, ratios of medians and per repetition."""
+    med = {s: statistics.median(ms[(li, s)]) for s in SYSTEMS}
+    paired = {s: [x / y for x, y in zip(ms[(li, "megazero")], ms[(li, s)])] for s in ("peer", "independent")}
+    half_spread = max((max(v) - min(v)) / 2 for v in paired.values())
+    target = 1.0 if stage == 3 else 1.05
+    row = {"kind": "loop", "stage": stage, "log_interval": li, "peer": kind, "target": target}
+    for s in SYSTEMS:
+        row[f"{s}_ms"] = round(med[s], 2)
+        row[f"{s}_runs_ms"] = [round(x, 1) for x in ms[(li, s)]]
+        row[f"{s}_cpu_ms"] = round(statistics.median(cpu[(li, s)]), 1)
+    row.update(ratio=round(med["megazero"] / med["peer"], 3), paired_ratio=round(statistics.median(paired["peer"]), 3),
+               independent_ratio=round(med["megazero"] / med["independent"], 3),
+               independent_paired_ratio=round(statistics.median(paired["independent"]), 3),
+               paired_ratios=[round(x, 3) for x in paired["peer"]],
+               independent_paired_ratios=[round(x, 3) for x in paired["independent"]])
+    row["agree"] = abs(row["paired_ratio"] - row["independent_paired_ratio"]) <= half_spread
+    row["met"] = row["independent_paired_ratio"] <= target
+    return row
 
 
 def markdown(lines: list[dict], load: str) -> list[str]:
-    """The docs/benchmarks.md "Loop" table rows of one run's ``loop`` results."""
-    out = ["| ZeRO | --log-interval | peer | megazero ms/iter | peer ms/iter | ratio (medians) | paired ratio | "
-           "target | CPU ms/iter (megazero / peer) | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """The docs/benchmarks.md table rows of one run's ``loop`` results."""
+    out = ["| ZeRO | --log-interval | peer | megazero logged ms | peer / independent step ms | ratio vs peer "
+           "(paired) | ratio vs independent (paired) | agree | target | CPU ms/iter (mz / peer / indep.) | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for j in lines:
         out.append(f"| {j['stage']} | {j['log_interval']} | {j['peer']} | {j['megazero_ms']:.0f} | "
-                   f"{j['peer_ms']:.0f} | "
-                   f"**{j['ratio']:.2f}** | {j['paired_ratio']:.2f} | {j['target']} | "
-                   f"{j['megazero_cpu_ms']:.0f} / {j['peer_cpu_ms']:.0f} = {j['cpu_ratio']:.2f} | {load} |")
+                   f"{j['peer_ms']:.0f} / {j['independent_ms']:.0f} | {j['paired_ratio']:.3f} | "
+                   f"**{j['independent_paired_ratio']:.3f}** | {j['agree']} | {j['target']} | "
+                   f"{j['megazero_cpu_ms']:.0f} / {j['peer_cpu_ms']:.0f} / {j['independent_cpu_ms']:.0f} | {load} |")
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
-    p.add_argument("--log-interval", type=int, nargs="+", default=[1, 100])
+    p.add_argument("--log-interval", type=int, nargs="+", default=[1])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--iters", type=int, default=5, help="iterations per run")
     p.add_argument("--reps", type=int, default=3, help="timed runs per system")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per system first")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=4096)  # the issue-33 setup (was 1024)
+    for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("micro-batch", 4),
+                          ("global-batch", 16), ("vocab", 4096)):  # the issue-33 setup
+        p.add_argument(f"--{name}", type=int, default=default)
     a = p.parse_args(argv)
+    bad = [li for li in a.log_interval if li < 1 or a.iters % li]
+    if bad:
+        p.error(f"--iters {a.iters} must be a multiple of every --log-interval (megazero's figure is its "
+                f"log lines), got {bad}")
     torch.set_num_threads(1)
     before = os.getloadavg()[0]
     print(json.dumps({"kind": "config", **vars(a), "load": before, "torch": torch.__version__}), flush=True)
     t0 = time.perf_counter()
-    results = run_distributed(_bench, a.ranks, a, timeout_s=3600, collective_timeout_s=600)[-1]
+    results = []
+    for stage in a.stage:  # fresh ranks per stage (module docstring)
+        results += run_distributed(_bench, a.ranks, a, stage, timeout_s=3600, collective_timeout_s=600)[-1]
     for line in results:
         print(json.dumps(line), flush=True)
     after = os.getloadavg()[0]

@@ -93,8 +93,9 @@ def test_run_all_tables_parse_bench_output():
 
 
 def test_loop_bench_runs_megazero_and_both_peers(capsys):
-    """bench/loop.py at tiny sizes: megazero's loop (ZeRO 0 and 3) and the DDP / FSDP2 loops run,
-    each megazero run prints its log line every iteration, and a ratio per (stage, interval)."""
+    """bench/loop.py at tiny sizes: megazero's logged iteration times (ZeRO 0 and 3, one log line
+    per iteration), the bare loop on megazero's model and the independent plain GPT
+    (bench/ddp_peer.py) under DDP / FSDP2, each stage in its own ranks; ratios per repetition."""
     loop = _load("loop")
     loop.main(["--ranks", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
                "--micro-batch", "2", "--global-batch", "4", "--vocab", "64", "--iters", "2", "--reps", "2",
@@ -104,10 +105,14 @@ def test_loop_bench_runs_megazero_and_both_peers(capsys):
     assert sorted(rows) == [(0, 1), (3, 1)]
     assert rows[0, 1]["peer"] == "ddp" and rows[3, 1]["peer"] == "fsdp2"
     for row in rows.values():
-        assert row["megazero_log_lines"] == 2 * 2 and len(row["megazero_runs_ms"]) == len(row["peer_runs_ms"]) == 2
-        assert row["megazero_ms"] > 0 and row["peer_ms"] > 0
+        for system in ("megazero", "peer", "independent"):
+            assert row[f"{system}_ms"] > 0 and len(row[f"{system}_runs_ms"]) == 2
         assert abs(row["ratio"] - row["megazero_ms"] / row["peer_ms"]) < 0.01 * row["ratio"]
+        assert len(row["paired_ratios"]) == len(row["independent_paired_ratios"]) == 2
+        assert isinstance(row["agree"], bool) and row["met"] == (row["independent_paired_ratio"] <= row["target"])
     assert lines[0]["kind"] == "config" and lines[-1]["kind"] == "load"
+    with pytest.raises(SystemExit):  # megazero's figure is its log lines: whole intervals only
+        loop.main(["--iters", "3", "--log-interval", "2"])
 
 
 def _bench(script, *flags, timeout=300):

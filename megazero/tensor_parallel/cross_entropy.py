@@ -10,6 +10,11 @@ vocabulary ``V'``; only the first ``K = vocab_size`` entries are real. In fp32, 
 3. ``loss = log S - t`` and with smoothing ``eps``:
    ``loss = (1 - eps)(log S - t) + eps (log S - Z / K)``  (== ``F.cross_entropy(label_smoothing=eps)``)
 
+One ``[tokens, V'/p]`` fp32 buffer holds ``z - m``, then ``e``, then the saved softmax, each step in
+place as in megatron-core 0.16.1's ``VocabParallelCrossEntropy``
+(megatron/core/tensor_parallel/cross_entropy.py), which writes into its input logits; here the
+input is never written (fp32 logits get one new buffer for ``z - m``).
+
 Backward (no communication): ``dz_v = g * (softmax_v - (1 - eps) [v == y] - eps / K)`` on real
 entries and 0 on padded ones. Labels equal to ``ignore_index`` give loss 0 and no gradient.
 Communication: a ``[tokens]`` all-reduce(MAX) and a ``[tokens, 2 or 3]`` all-reduce(SUM),
@@ -28,25 +33,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_size, label_smoothing, ignore_index):
         p, rank = group_size(group), group_rank(group)
-        z = logits.float()
+        z = logits.float()  # the logits themselves in fp32: never written below
         per_rank = z.shape[-1]
         start = rank * per_rank
         real = torch.arange(start, start + per_rank, device=z.device) < vocab_size  # [V'/p]
         if start + per_rank > vocab_size:  # padded entries here (known on the host): mask them; else no copy
             z = z.masked_fill(~real, float("-inf"))
-        m = z.max(dim=-1).values
+        m = torch.amax(z, dim=-1)  # the values of max(dim) without its indices
         if p > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m.unsqueeze(-1)
+        z = z.sub_(m.unsqueeze(-1)) if z.data_ptr() != logits.data_ptr() else z - m.unsqueeze(-1)  # own buffer
         ignored = labels == ignore_index
         local_label = labels - start
         mine = (local_label >= 0) & (local_label < per_rank) & ~ignored
         idx = local_label.masked_fill(~mine, 0)
         target = torch.gather(z, -1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        exp = z.exp()  # padded entries: exp(-inf) = 0
-        sums = [exp.sum(dim=-1), target]
-        if label_smoothing > 0:
-            sums.append(z.masked_fill(~real, 0.0).sum(dim=-1))
+        smooth = z.masked_fill(~real, 0.0).sum(dim=-1) if label_smoothing > 0 else None  # Z, before z is overwritten
+        exp = torch.exp(z, out=z)  # in place (z is ours; t and Z are read): padded entries exp(-inf) = 0
+        sums = [exp.sum(dim=-1), target] + ([smooth] if smooth is not None else [])
         stacked = torch.stack(sums, dim=-1)
         if p > 1:
             dist.all_reduce(stacked, group=group)

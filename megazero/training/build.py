@@ -1,12 +1,15 @@
 """The build order of a run, stated once (:func:`setup`), with the reason for each step.
 
-0. **Host memory**: glibc's mmap threshold is fixed at 1 MiB
-   (:func:`~megazero.zero.host_memory.return_freed_memory`) before anything large is allocated,
-   so the host buffers ZeRO frees every micro-batch leave the resident set instead of staying in
-   the heap (ZeRO-3, DP 4: step peak 2.30 -> 1.75 GB). Its price, measured by
-   ``bench/memory.py --mmap-ab`` (fresh mappings fault their pages in): +0.7 % CPU time per
-   iteration at ZeRO-0, +4.5 % at ZeRO-3 on a small fp32 GPT (docs/benchmarks.md, "Memory").
-   Process-wide; a no-op off glibc; ``setup(..., fix_mmap_threshold=False)`` keeps glibc's policy.
+0. **Host memory** (after the configs, which allocate nothing large): at ZeRO stage 3 glibc's
+   mmap threshold is fixed at 1 MiB (:func:`~megazero.zero.host_memory.return_freed_memory`)
+   before anything large is allocated, so the unit buffers stage 3 gathers and frees every
+   micro-batch leave the resident set instead of staying in the heap (ZeRO-3, DP 4: step peak
+   2.30 -> 1.75 GB). Stages 0-2 keep glibc's own policy, as every PyTorch program does: their
+   large buffers live for the whole run, and a fixed threshold would make each activation of
+   1 MiB or more a fresh mapping whose pages fault in on every micro-batch (measured: 39 k page
+   faults and +13 % time per iteration at ZeRO-0 on the issue-33 GPT at world 1,
+   docs/benchmarks.md, "The iteration as a user sees it"). Process-wide; a no-op off glibc;
+   ``setup(..., fix_mmap_threshold=True/False)`` forces either policy.
 1. **Configs** (no process group yet, :func:`build_configs`, the only reader of the argument
    namespace outside :mod:`megazero.config`): the tokenizer gives the vocabulary size, which
    completes the frozen model config (:class:`GPTConfig` pads the vocabulary for TP and checks
@@ -108,7 +111,7 @@ def print_parameter_count(topo: Topology, stages: ModelStages) -> None:
               f"{topo.pp_rank}): {n}", flush=True)
 
 
-def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshold: bool = True):
+def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshold: bool | None = None):
     """Build everything one rank trains with, in the order of the module docstring; returns the
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded. ``run``: a
     :class:`RunConfig`, or ``parse_args``' namespace (built by :func:`build_configs`).
@@ -120,9 +123,9 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
 
-    if fix_mmap_threshold:  # 0: freed host buffers of >= 1 MiB leave the resident set (glibc)
-        return_freed_memory()
     config = run if isinstance(run, RunConfig) else build_configs(run)                              # 1
+    if (config.optimizer.stage == 3) if fix_mmap_threshold is None else fix_mmap_threshold:        # 0
+        return_freed_memory()  # stage 3's freed unit buffers of >= 1 MiB leave the resident set (glibc)
     ck, par, log = config.checkpoint, config.parallel, config.logging
     guard_save_dir(ck.save, ck.load, ck.overwrite, current_rank(), finetune=ck.finetune)  # no checkpoint lost
     scheduler = build_lr_scheduler(config.schedule.lr)  # Megatron's schedule or a DeepSpeed config's block

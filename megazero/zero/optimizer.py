@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from megazero.parallel.host_reads import HostReads
 
-from .adam_slices import ADAM_SLICE, shard_slices
+from .adam_slices import adam_slice, shard_slices
 from .adamw import adamw_step, sum_of_squares
 from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
@@ -222,7 +222,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         if decoupled_lr is not None and self._lr_ranges is not None and groups:
             groups = [(lr, [main for main, _ in self._lr_ranges]), (decoupled_lr, [d for _, d in self._lr_ranges])]
         for group_lr, ranges in groups:
-            for lists, decay_grads in shard_slices(self.regions, grads, ADAM_SLICE, ranges):
+            for lists, decay_grads in shard_slices(self.regions, grads, adam_slice(self.device), ranges):
                 adamw_step(*lists, step=self.iteration, lr=group_lr, betas=self.betas, eps=self.eps,
                            decay_grads=decay_grads, weight_decay=self.weight_decay,
                            decoupled=self.decoupled_weight_decay)
@@ -239,7 +239,8 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         if self._group_ranges is None or len(hparams) != len(self._group_ranges):
             raise ValueError("apply_step(hparams=...) needs one dict per group given to set_param_groups")
         for h, ranges in zip(hparams, self._group_ranges):
-            for lists, decay_grads in shard_slices(self.regions, grads, ADAM_SLICE, ranges, decay_all=True):
+            for lists, decay_grads in shard_slices(self.regions, grads, adam_slice(self.device), ranges,
+                                                     decay_all=True):
                 adamw_step(*lists, step=self.iteration, lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],
                            decay_grads=decay_grads, weight_decay=h["weight_decay"],
                            decoupled=self.decoupled_weight_decay)

@@ -1,7 +1,8 @@
 """Vocab-parallel cross-entropy == F.cross_entropy on the gathered logits (fp32, 1e-6).
 
 Padded vocabulary (K = 37 real of V' = 40 / 48 entries): padded entries get no probability
-mass and zero gradient. Also label smoothing, ignore_index and bf16 logits, on TP = 1, 2, 4.
+mass and zero gradient. Also label smoothing, ignore_index and bf16 logits, on TP = 1, 2, 4; the
+input logits are never written (the function works in place in a buffer of its own).
 """
 
 import torch
@@ -31,6 +32,8 @@ def _check(rank, world):
                     x = full.to(dtype).chunk(tp, -1)[topo.tp_rank].clone().requires_grad_(True)
                     loss = vocab_parallel_cross_entropy(x, labels, topo.tp_group, K, label_smoothing=eps)
                     loss.backward(g)
+                    # the in-place softmax buffer is the function's own: the caller's logits are intact
+                    assert torch.equal(x.detach(), full.to(dtype).chunk(tp, -1)[topo.tp_rank])
                     ref_x = full.to(dtype).float().clone().requires_grad_(True)
                     ref = F.cross_entropy(ref_x[..., :K].reshape(-1, K), labels.reshape(-1), label_smoothing=eps,
                                           reduction="none").view(3, 5)
