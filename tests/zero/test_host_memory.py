@@ -52,3 +52,29 @@ def test_freed_large_tensors_leave_the_resident_set():
 def test_threshold_beyond_glibc_limit_is_refused():
     with pytest.raises(ValueError, match="mmap threshold"):
         return_freed_memory(64 << 20)
+
+
+def _region_sizes(rank, world):
+    import torch
+    from megazero.parallel.topology import Topology
+    from megazero.zero import ZeroOptimizer
+    topo = Topology(world, rank).create_groups()
+    out = {}
+    for stage in (1, 2):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1200, 1200, bias=False) for _ in range(3)])  # 4.32 M
+        opt = ZeroOptimizer(model, topo, stage=stage, num_micro_batches=1, lr=1e-3,
+                            reduce_bucket_size=500_000_000)  # DeepSpeed's default: one bucket of everything
+        out[stage] = [r.numel for r in opt.regions]
+    return out
+
+
+def test_stage2_round_gradients_stay_below_glibc_mmap_ceiling_on_the_cpu():
+    """At stage 2 every round frees its full gradient; on the CPU the regions are cut at
+    HOST_ROUND_ELEMS (16 MiB of fp32) so that glibc reuses the freed blocks instead of mapping
+    (and faulting in) a fresh one per step; stage 1 keeps its gradient and the one bucket."""
+    from megazero.testing import run_distributed
+    from megazero.zero.regions import HOST_ROUND_ELEMS, round_bucket_size
+    sizes = run_distributed(_region_sizes, 2)[0]
+    assert sizes[1] == [3 * 1200 * 1200]
+    assert len(sizes[2]) == 2 and sum(sizes[2]) == 3 * 1200 * 1200 and max(sizes[2]) <= HOST_ROUND_ELEMS
+    assert round_bucket_size(2, 500_000_000, "cuda") == 500_000_000  # an accelerator keeps the flag's bucket
