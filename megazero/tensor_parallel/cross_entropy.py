@@ -42,7 +42,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         m = torch.amax(z, dim=-1)  # the values of max(dim) without its indices
         if p > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z.sub_(m.unsqueeze(-1)) if z.data_ptr() != logits.data_ptr() else z - m.unsqueeze(-1)  # own buffer
+        # from here z is a buffer of our own: a copy already (bf16 cast, padding mask) or made now
+        z = z - m.unsqueeze(-1) if z is logits else z.sub_(m.unsqueeze(-1))
         ignored = labels == ignore_index
         local_label = labels - start
         mine = (local_label >= 0) & (local_label < per_rank) & ~ignored

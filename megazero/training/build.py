@@ -7,7 +7,7 @@
    2.30 -> 1.75 GB). Stages 0-2 keep glibc's own policy, as every PyTorch program does: their
    large buffers live for the whole run, and a fixed threshold would make each activation of
    1 MiB or more a fresh mapping whose pages fault in on every micro-batch (measured: 39 k page
-   faults and +13 % time per iteration at ZeRO-0 on the issue-33 GPT at world 1,
+   faults and +12 % time per iteration at ZeRO-0 on the issue-33 GPT at world 1,
    docs/benchmarks.md, "The iteration as a user sees it"). Process-wide; a no-op off glibc;
    ``setup(..., fix_mmap_threshold=True/False)`` forces either policy.
 1. **Configs** (no process group yet, :func:`build_configs`, the only reader of the argument

@@ -129,8 +129,9 @@ def round_bucket_size(stage: int, size: int, device) -> int:
     largest dynamic mmap threshold (32 MiB) is a fresh mapping every time, whose pages fault in
     again each step (measured: 56 ms to allocate and touch 108 MB fresh, 11 ms reused), so there
     the bucket is capped at ``HOST_ROUND_ELEMS`` and the freed rounds come back from the heap. The
-    flag keeps its meaning as DeepSpeed states it, the most elements reduced at once
-    (``reduce_bucket_size``); the other stages, and any accelerator, use it as given."""
+    flag keeps its meaning as DeepSpeed states it, the number of elements reduced at a time
+    (``reduce_bucket_size``'s docstring, deepspeed/runtime/zero/config.py, DeepSpeed 0.19.8): a
+    bound here; the other stages, and any accelerator, use it as given."""
     if stage == 2 and torch.device(device).type == "cpu":
         return min(size, HOST_ROUND_ELEMS)
     return size
