@@ -27,8 +27,10 @@ fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, 
 (clean page cache the kernel may drop) count in RSS: the load and reshard bounds add the bytes read.
 ``--mmap-threshold BYTES``: each rank first calls ``megazero.zero.host_memory.return_freed_memory``
 (freed blocks of at least BYTES leave the resident set; glibc's default keeps them in its heap);
-without it the ranks keep glibc's default (``setup(..., fix_mmap_threshold=False)``), although
-``training.setup`` itself sets 1 MiB. ``--mmap-ab``: iteration time with and without it.
+without it the ranks keep glibc's default (``setup(..., fix_mmap_threshold=False)``);
+``--mmap-threshold setup``: ``training.setup``'s own policy (stage 3: 1 MiB for the build, then the
+smallest unit's gathered bytes; glibc's default at stages 0-2). ``--mmap-ab``: iteration time with
+and without 1 MiB.
 """
 
 from __future__ import annotations
@@ -93,11 +95,12 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     from megazero.training.lr_schedule import build_lr_scheduler
     from megazero.zero.host_memory import return_freed_memory
     peaks = {"interpreter": rss_now()}
-    if mmap_threshold:  # before anything large is allocated (megazero.zero.host_memory)
+    own_policy = mmap_threshold == "setup"
+    if mmap_threshold and not own_policy:  # before anything large is allocated (megazero.zero.host_memory)
         return_freed_memory(mmap_threshold)
     args = parse_args(argv, world_size=world)
     with _phase(peaks, "build"):  # the malloc policy is --mmap-threshold's (glibc's default without it)
-        trainer = setup(args, fix_mmap_threshold=False)
+        trainer = setup(args, fix_mmap_threshold=None if own_policy else False)
     result = dict(peaks, **_sizes(trainer.optimizer))
     if build_only:
         return result
@@ -225,9 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--mmap-threshold", type=int, default=None, help="each rank calls "
-                   "megazero.zero.host_memory.return_freed_memory(BYTES) before the build (glibc M_MMAP_THRESHOLD; "
-                   "without it glibc's default, although training.setup sets 1 MiB)")
+    p.add_argument("--mmap-threshold", type=lambda v: v if v == "setup" else int(v), default=None,
+                   help="BYTES: each rank calls megazero.zero.host_memory.return_freed_memory(BYTES) before the "
+                   "build (glibc M_MMAP_THRESHOLD); 'setup': training.setup's own policy; without it glibc's default")
     p.add_argument("--reduce-bucket-size", type=int, default=None, help="--zero-reduce-bucket-size (default: "
                    "megazero's, 5e8, DeepSpeed's); at stage 2 a bucket's full gradient is the step's transient")
     p.add_argument("--rounds", type=int, default=3, help="--mmap-ab: pairs of processes")

@@ -2,9 +2,11 @@
 
 0. **Host memory** (after the configs, which allocate nothing large): at ZeRO stage 3 glibc's
    mmap threshold is fixed at 1 MiB (:func:`~megazero.zero.host_memory.return_freed_memory`)
-   before anything large is allocated, so the unit buffers stage 3 gathers and frees every
-   micro-batch leave the resident set instead of staying in the heap (ZeRO-3, DP 4: step peak
-   2.30 -> 1.75 GB). Stages 0-2 keep glibc's own policy, as every PyTorch program does: their
+   before anything large is allocated, and raised to the smallest unit's gathered bytes once
+   the units exist (:func:`~megazero.zero.host_memory.unit_threshold`, step 7), so the unit
+   buffers stage 3 gathers and frees every micro-batch leave the resident set instead of
+   staying in the heap (ZeRO-3, DP 4: step peak 2.30 -> 1.75 GB) while smaller activations are
+   reused from the heap. Stages 0-2 keep glibc's own policy, as every PyTorch program does: their
    large buffers live for the whole run, and a fixed threshold would make each activation of
    1 MiB or more a fresh mapping whose pages fault in on every micro-batch (measured: 39 k page
    faults and +12 % time per iteration at ZeRO-0 on the issue-33 GPT at world 1,
@@ -62,7 +64,7 @@ from megazero.model.stages import ModelStages, gpt_stages, provider_options
 from megazero.parallel.launch import current_rank, init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of
-from megazero.zero.host_memory import return_freed_memory
+from megazero.zero.host_memory import return_freed_memory, unit_threshold
 
 
 def seed_host_generators(seed: int) -> None:
@@ -124,8 +126,9 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     from megazero.zero import ZeroOptimizer
 
     config = run if isinstance(run, RunConfig) else build_configs(run)                              # 1
-    if (config.optimizer.stage == 3) if fix_mmap_threshold is None else fix_mmap_threshold:        # 0
-        return_freed_memory()  # stage 3's freed unit buffers of >= 1 MiB leave the resident set (glibc)
+    fix_threshold = (config.optimizer.stage == 3) if fix_mmap_threshold is None else fix_mmap_threshold
+    if fix_threshold:                                                                               # 0
+        return_freed_memory()  # the build's freed blocks of >= 1 MiB leave the resident set (glibc)
     ck, par, log = config.checkpoint, config.parallel, config.logging
     guard_save_dir(ck.save, ck.load, ck.overwrite, current_rank(), finetune=ck.finetune)  # no checkpoint lost
     scheduler = build_lr_scheduler(config.schedule.lr)  # Megatron's schedule or a DeepSpeed config's block
@@ -143,6 +146,8 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,
                               expert_params=stages.expert_params, param_init=stages.param_init, device=device)
+    if fix_threshold and optimizer.gatherer is not None:  # from now on only unit-sized blocks are mapped
+        return_freed_memory(unit_threshold(optimizer.gatherer.unit_bytes()))
     if config.gradient_accumulation_fusion and optimizer.fuses_weight_grads and stages.fuse_vocab_grads:
         stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)
     if config.schedule.lr.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR

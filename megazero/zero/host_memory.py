@@ -14,6 +14,10 @@ stage-3 step then grows the rank's resident memory by about one unit buffer per 
 so every block of at least that size is mapped on allocation and returned on free: the
 resident set follows what is alive. The price is a page fault per touched page of each new
 large block (the kernel hands out zeroed pages), the same work the first step already does.
+Once stage 3's units are known, :func:`unit_threshold` raises it to the smallest unit's gathered
+bytes: the unit buffers (and their gradients and gloo's gather temporaries, at least as large)
+stay mappings of their own, while activations and other transients below a unit come back from
+the heap as in any PyTorch program instead of faulting in afresh every micro-batch.
 On an accelerator the host holds only the snapshot copies of a save, so nothing changes there.
 """
 
@@ -22,8 +26,10 @@ from __future__ import annotations
 import ctypes
 import sys
 
-M_MMAP_THRESHOLD = -3  # <malloc.h>: mallopt parameter number
+M_MMAP_THRESHOLD = -3  # <malloc.h>: mallopt parameter numbers
+M_TRIM_THRESHOLD = -1
 DEFAULT_THRESHOLD = 1 << 20  # bytes: every tensor of at least 1 MiB is its own mapping
+MAX_THRESHOLD = 32 << 20  # glibc refuses more than HEAP_MAX / 2 (32 MiB on 64-bit)
 
 
 def return_freed_memory(threshold_bytes: int = DEFAULT_THRESHOLD) -> bool:
@@ -34,7 +40,19 @@ def return_freed_memory(threshold_bytes: int = DEFAULT_THRESHOLD) -> bool:
     before the model is built."""
     if not sys.platform.startswith("linux"):
         return False
-    if not 0 < threshold_bytes <= 32 << 20:  # glibc refuses more than HEAP_MAX / 2 (32 MiB on 64-bit)
+    if not 0 < threshold_bytes <= MAX_THRESHOLD:
         raise ValueError(f"the mmap threshold must be in (0, 32 MiB], got {threshold_bytes} bytes")
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, 2 * int(threshold_bytes)))
+
+
+def unit_threshold(unit_bytes) -> int:
+    """The threshold that maps exactly stage 3's per-unit buffers: ``T = min(max(min_u B_u, 1 MiB),
+    32 MiB)`` for the units' gathered parameter bytes ``B_u``. Every unit's gathered parameters,
+    its full gradient (``g >= p`` bytes per element) and gloo's flat gather temporary are ``>= T``
+    and leave the resident set when freed; a tensor below ``T`` (an activation, a shard's copy)
+    is reused from the heap. ``unit_bytes``: an iterable of ints; empty gives 1 MiB."""
+    smallest = min((int(b) for b in unit_bytes), default=DEFAULT_THRESHOLD)
+    return min(max(smallest, DEFAULT_THRESHOLD), MAX_THRESHOLD)

@@ -165,6 +165,10 @@ class ParamGatherer:
         unit.in_bwd = max(0, unit.in_bwd - 1)
         self._maybe_release(unit, self._distance(unit, after_forward=False))
 
+    def unit_bytes(self) -> list[int]:
+        """Each unit's gathered parameter bytes (``padded * p``): what one gather allocates."""
+        return [u.region.padded * u.region.param_flat.element_size() for u in self.units]
+
     # ---- gather / release --------------------------------------------------------------------
     def fetch(self, unit) -> None:
         if unit.pending is not None:

@@ -1,6 +1,7 @@
 """megazero.zero.host_memory: with the mmap threshold fixed, the memory of freed large tensors
 goes back to the operating system even where glibc's heap would keep it (small allocations
-after them pin the heap's top), as ZeRO-3's per-unit buffers need. Each case runs in a fresh
+after them pin the heap's top), as ZeRO-3's per-unit buffers need; raised to the smallest
+unit, smaller blocks are reused from the heap. Each case runs in a fresh
 interpreter: the setting is process-wide and depends on the allocator's history."""
 
 import json
@@ -47,6 +48,54 @@ def test_freed_large_tensors_leave_the_resident_set():
     assert ok and returned >= 0.9 * freed
     _, freed, kept = _churn("default")  # glibc's default keeps them: why the setting exists
     assert kept < 0.5 * freed
+
+
+REUSE = """
+import json, resource, sys, torch
+from megazero.zero.host_memory import return_freed_memory, unit_threshold
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ok = return_freed_memory(unit_threshold([8 << 20, 4 << 20]) if sys.argv[1] == "unit" else 1 << 20)
+for _ in range(2):  # warm: the heap grows once
+    act = torch.ones(1 << 19); del act
+f0 = faults()
+for _ in range(20):  # an activation of 2 MiB, allocated, touched and freed every micro-batch
+    act = torch.ones(1 << 19); del act
+refaulted = faults() - f0
+keep = torch.ones(1 << 10)
+before = rss()
+unit = torch.ones(1 << 20)  # a 4 MiB unit buffer, gathered and freed
+del unit
+print(json.dumps([ok, refaulted, rss() - before]))
+"""
+
+
+def _reuse(policy: str):
+    out = subprocess.run([sys.executable, "-c", REUSE, policy], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_unit_threshold_maps_units_and_reuses_smaller_blocks():
+    """Stage 3's policy once its units exist (``unit_threshold``): a freed unit-sized buffer
+    leaves the resident set, while a smaller activation freed every micro-batch comes back from
+    the heap without faulting its pages in again (at 1 MiB each reuse faults 512 pages)."""
+    ok, refaulted, kept = _reuse("unit")
+    assert ok and refaulted <= 4 * 512 and kept < (1 << 20)  # at most a few of the 20 (heap placement varies)
+    _, refaulted_1mib, _ = _reuse("1mib")
+    assert refaulted_1mib >= 16 * 512  # why the threshold is raised
+
+
+def test_unit_threshold_bounds():
+    from megazero.zero.host_memory import DEFAULT_THRESHOLD, MAX_THRESHOLD, unit_threshold
+    assert unit_threshold([12 << 20, 3 << 20]) == 3 << 20
+    assert unit_threshold([]) == unit_threshold([4096]) == DEFAULT_THRESHOLD
+    assert unit_threshold([100 << 20]) == MAX_THRESHOLD
 
 
 def test_threshold_beyond_glibc_limit_is_refused():
