@@ -22,8 +22,8 @@ read, a barrier) -- ZeRO 0/1/2 under ``DistributedDataParallel``, ZeRO 3 under F
 The two ratios agreeing (``agree``: within the larger half-spread of their per-repetition ratios)
 says megazero's model costs what a plain PyTorch GPT costs. Each stage runs in ranks of its own
 (``run_distributed`` per stage) so that one stage's process-wide setting -- ZeRO-3's fixed glibc
-mmap threshold (``megazero.training.setup``) -- cannot tax the others or the peers of another
-stage; inside a stage the peers share it. Runs rotate their order every repetition. Prints JSON
+mmap threshold (``megazero.training.setup``: the smallest unit's gathered bytes) -- cannot tax the
+others or the peers of another stage; inside a stage the peers share it. Runs rotate their order every repetition. Prints JSON
 lines: ``config``, per (stage, L) ``{"kind": "loop", "megazero_ms": median logged ms,
 "peer_ms", "independent_ms": median step ms, "ratio", "paired_ratio", "independent_ratio",
 "independent_paired_ratio", "agree", "target", "met", CPU ms per iteration per system}``,

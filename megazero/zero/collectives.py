@@ -27,7 +27,7 @@ output and then copies it into the list (measured, 4 ranks: +304 MB for a 304 MB
 ``all_gather_into_tensor`` +0, ``all_reduce`` in place +4 MB for 608 MB), so the list form runs
 in pieces of ``LIST_GATHER_ELEMS`` output elements (each rank's shard cut at the same offsets;
 the same logical volume, counted as one call): a stage-1/2 write-back of the whole model then
-needs 32-64 MB of temporary instead of a second copy of the weights.
+needs at most 16 MiB of temporary, reused from the heap, instead of a second copy of the weights.
 
 Groups of size 1 are skipped (a copy at most) and count nothing.  Every call may be async; the
 returned :class:`Pending` finishes the work (slice copy) in ``wait()``.
@@ -47,8 +47,10 @@ PRIMITIVE_FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "reduce_scatter
                     "all_reduce+slice": 2, "all_gather_into_tensor": 1, "all_gather_list": 1}
 LOGICAL_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 # the list all-gather (gloo) gathers into a flat temporary of the whole output first, then copies
-# it into the list: it runs in pieces of at most this many output elements (64 MB of fp32)
-LIST_GATHER_ELEMS = 1 << 24
+# it into the list: it runs in pieces of at most this many output elements (16 MiB of fp32), so
+# the temporary stays below glibc's largest dynamic mmap threshold (32 MiB) and is reused from
+# the heap; a 64 MB piece was a fresh mapping faulted in at every write-back
+LIST_GATHER_ELEMS = 1 << 22
 
 
 class Pending:
