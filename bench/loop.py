@@ -1,8 +1,8 @@
 """The whole training iteration as a user sees it: megazero's logged iteration time against two
-bare PyTorch loops' whole steps, same sizes, in the same ranks.
+bare PyTorch loops' whole steps, same sizes (in the same ranks, or at ZeRO-3 in ranks of their own).
 
     PYTHONPATH=. .venv/bin/python bench/loop.py [--stage 0 1 2 3] [--log-interval 1] [--ranks 4]
-        [--iters 5] [--reps 3] [--warmup 1] [--layers 4] [--hidden 256] [--seq 128]
+        [--iters 5] [--reps 3] [--warmup 1] [--separate-ranks 3] [--layers 4] [--hidden 256] [--seq 128]
         [--micro-batch 4] [--global-batch 16] [--vocab 4096]
 
 megazero: ``megazero.training.setup`` + ``Trainer.train`` from ``pretrain_gpt.py``'s flags (GPT,
@@ -23,7 +23,9 @@ The two ratios agreeing (``agree``: within the larger half-spread of their per-r
 says megazero's model costs what a plain PyTorch GPT costs. Each stage runs in ranks of its own
 (``run_distributed`` per stage) so that one stage's process-wide setting -- ZeRO-3's fixed glibc
 mmap threshold (``megazero.training.setup``: the smallest unit's gathered bytes) -- cannot tax the
-others or the peers of another stage; inside a stage the peers share it. Runs rotate their order every repetition. Prints JSON
+others; at the stages of ``--separate-ranks`` (default 3) megazero and the peers also run in ranks
+of their own, one launch per repetition each (a warm-up run and a timed one), the order
+alternating, so the peers keep glibc's own policy as they would in a program of their own. Runs rotate their order every repetition. Prints JSON
 lines: ``config``, per (stage, L) ``{"kind": "loop", "megazero_ms": median logged ms,
 "peer_ms", "independent_ms": median step ms, "ratio", "paired_ratio", "independent_ratio",
 "independent_paired_ratio", "agree", "target", "met", CPU ms per iteration per system}``,
@@ -42,6 +44,7 @@ import re
 import resource
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -181,21 +184,30 @@ def _timed(run) -> tuple[float, list]:
 SYSTEMS = ("megazero", "peer", "independent")
 
 
-def _bench(rank, world, a, stage: int):
-    """One stage in these ranks: every (system, L) run ``a.warmup + a.reps`` times, order rotating."""
-    kind = "fsdp2" if stage == 3 else "ddp"
+def _bench(rank, world, a, stage: int, systems=SYSTEMS):
+    """One stage's ``systems`` in these ranks: every (system, L) run ``a.warmup + a.reps`` times,
+    the order rotating; returns (last rank) ``(ms, cpu)``: ``{(L, system): [per timed run]}``."""
+    from megazero.arguments import parse_args
+    from megazero.training.build import build_configs
     cells = []
     for li in a.log_interval:
-        mz, config = _megazero(a, world, stage, li)
-        peer, samples = _peer(a, world, rank, config, fsdp=stage == 3)
-        runs = {"megazero": mz, "peer": lambda peer=peer, li=li, it=samples(): peer(li, it),
-                "independent": _independent(a, world, rank, fsdp=stage == 3)}
+        runs = {}
+        if "megazero" in systems:
+            runs["megazero"], config = _megazero(a, world, stage, li)
+        else:  # the configs alone: no setup, so no process-wide malloc policy in these ranks
+            with contextlib.redirect_stdout(io.StringIO()):
+                config = build_configs(parse_args(megatron_argv(a, stage, li), world_size=world))
+        if "peer" in systems:
+            peer, samples = _peer(a, world, rank, config, fsdp=stage == 3)
+            runs["peer"] = lambda peer=peer, li=li, it=samples(): peer(li, it)
+        if "independent" in systems:
+            runs["independent"] = _independent(a, world, rank, fsdp=stage == 3)
         cells.append((li, runs))
-    ms = {(li, s): [] for li, _ in cells for s in SYSTEMS}
-    cpu = {(li, s): [] for li, _ in cells for s in SYSTEMS}
+    ms = {(li, s): [] for li, _ in cells for s in systems}
+    cpu = {(li, s): [] for li, _ in cells for s in systems}
     for rep in range(a.warmup + a.reps):
         for li, runs in cells:
-            order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]
+            order = systems[rep % len(systems):] + systems[:rep % len(systems)]
             for name in order:
                 c, per_iteration = _timed(runs[name])
                 if rank != world - 1:
@@ -209,9 +221,28 @@ def _bench(rank, world, a, stage: int):
                 if rep >= a.warmup:
                     ms[(li, name)].append(statistics.median(per_iteration))
                     cpu[(li, name)].append(c / a.iters * 1000)
-    if rank != world - 1:
-        return None
-    return [_row(stage, li, kind, ms, cpu) for li, _ in cells]
+    return (ms, cpu) if rank == world - 1 else None
+
+
+def _stage(a, stage: int, separate: bool) -> list[dict]:
+    """One stage's rows. ``separate``: megazero and the two peers in ranks of their own, one
+    launch per repetition each (a warm-up run, then one timed run), the order alternating; else
+    all three in one set of ranks."""
+    kind = "fsdp2" if stage == 3 else "ddp"
+    if not separate:
+        ms, cpu = run_distributed(_bench, a.ranks, a, stage, timeout_s=3600, collective_timeout_s=600)[-1]
+    else:
+        one = argparse.Namespace(**{**vars(a), "reps": 1})
+        groups = [("megazero",), ("peer", "independent")]
+        ms, cpu = defaultdict(list), defaultdict(list)
+        for rep in range(a.reps):
+            for systems in groups if rep % 2 == 0 else groups[::-1]:
+                got_ms, got_cpu = run_distributed(_bench, a.ranks, one, stage, systems, timeout_s=3600,
+                                                  collective_timeout_s=600)[-1]
+                for key, v in got_ms.items():
+                    ms[key] += v
+                    cpu[key] += got_cpu[key]
+    return [_row(stage, li, kind, ms, cpu) for li in a.log_interval]
 
 
 def _row(stage: int, li: int, kind: str, ms: dict, cpu: dict) -> dict:
@@ -256,6 +287,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5, help="iterations per run")
     p.add_argument("--reps", type=int, default=3, help="timed runs per system")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per system first")
+    p.add_argument("--separate-ranks", type=int, nargs="*", default=[3], choices=[0, 1, 2, 3],
+                   help="stages whose peers run in ranks of their own, apart from megazero (default 3: its "
+                   "process-wide malloc policy would tax them)")
     for name, default in (("layers", 4), ("hidden", 256), ("heads", 8), ("seq", 128), ("micro-batch", 4),
                           ("global-batch", 16), ("vocab", 4096)):  # the issue-33 setup
         p.add_argument(f"--{name}", type=int, default=default)
@@ -270,7 +304,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     results = []
     for stage in a.stage:  # fresh ranks per stage (module docstring)
-        results += run_distributed(_bench, a.ranks, a, stage, timeout_s=3600, collective_timeout_s=600)[-1]
+        results += _stage(a, stage, separate=stage in a.separate_ranks)
     for line in results:
         print(json.dumps(line), flush=True)
     after = os.getloadavg()[0]

@@ -95,7 +95,8 @@ def test_run_all_tables_parse_bench_output():
 def test_loop_bench_runs_megazero_and_both_peers(capsys):
     """bench/loop.py at tiny sizes: megazero's logged iteration times (ZeRO 0 and 3, one log line
     per iteration), the bare loop on megazero's model and the independent plain GPT
-    (bench/ddp_peer.py) under DDP / FSDP2, each stage in its own ranks; ratios per repetition."""
+    (bench/ddp_peer.py) under DDP / FSDP2, each stage in its own ranks and at ZeRO-3 megazero and
+    the peers apart (one launch per repetition); ratios per repetition."""
     loop = _load("loop")
     loop.main(["--ranks", "2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
                "--micro-batch", "2", "--global-batch", "4", "--vocab", "64", "--iters", "2", "--reps", "2",
@@ -110,6 +111,8 @@ def test_loop_bench_runs_megazero_and_both_peers(capsys):
         assert abs(row["ratio"] - row["megazero_ms"] / row["peer_ms"]) < 0.01 * row["ratio"]
         assert len(row["paired_ratios"]) == len(row["independent_paired_ratios"]) == 2
         assert isinstance(row["agree"], bool) and row["met"] == (row["independent_paired_ratio"] <= row["target"])
+    reps = {st: {j["rep"] for j in lines if j["kind"] == "run" and j["stage"] == st} for st in (0, 3)}
+    assert reps == {0: {0, 1}, 3: {0}}  # stage 3: every launch runs one repetition
     assert lines[0]["kind"] == "config" and lines[-1]["kind"] == "load"
     with pytest.raises(SystemExit):  # megazero's figure is its log lines: whole intervals only
         loop.main(["--iters", "3", "--log-interval", "2"])
