@@ -242,7 +242,7 @@ def _stage(a, stage: int, separate: bool) -> list[dict]:
                 for key, v in got_ms.items():
                     ms[key] += v
                     cpu[key] += got_cpu[key]
-    return [_row(stage, li, kind, ms, cpu) for li in a.log_interval]
+    return [dict(_row(stage, li, kind, ms, cpu), ranks="separate" if separate else "shared") for li in a.log_interval]
 
 
 def _row(stage: int, li: int, kind: str, ms: dict, cpu: dict) -> dict:
