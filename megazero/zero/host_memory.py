@@ -15,7 +15,8 @@ so every block of at least that size is mapped on allocation and returned on fre
 resident set follows what is alive. The price is a page fault per touched page of each new
 large block (the kernel hands out zeroed pages), the same work the first step already does.
 Once stage 3's units are known, :func:`unit_threshold` raises it to the smallest unit's gathered
-bytes: the unit buffers (and their full gradients, at least as large) stay mappings of their own, while activations and other transients below a unit come back from
+bytes: the unit buffers (and their full gradients and gather temporaries, at least as large) stay
+mappings of their own, while activations and other transients below a unit come back from
 the heap as in any PyTorch program instead of faulting in afresh every micro-batch.
 On an accelerator the host holds only the snapshot copies of a save, so nothing changes there.
 """
@@ -49,10 +50,10 @@ def return_freed_memory(threshold_bytes: int = DEFAULT_THRESHOLD) -> bool:
 
 def unit_threshold(unit_bytes) -> int:
     """The threshold that maps exactly stage 3's per-unit buffers: ``T = min(max(min_u B_u, 1 MiB),
-    32 MiB)`` for the units' gathered parameter bytes ``B_u``. Every unit's gathered parameters
-    and its full gradient (``g >= p`` bytes per element) are ``>= T`` and leave the resident set
-    when freed; a block below ``T`` (an activation, a shard's copy, a piece of gloo's gather
-    temporary, at most 16 MiB: ``collectives.LIST_GATHER_ELEMS``) is reused from the heap.
-    ``unit_bytes``: an iterable of ints; empty gives 1 MiB."""
+    32 MiB)`` for the units' gathered parameter bytes ``B_u``. Every unit's gathered parameters,
+    its full gradient (``g >= p`` bytes per element) and gloo's gather temporary (the whole unit
+    or a piece of ``collectives.UNIT_GATHER_ELEMS`` elements, at least 32 MiB) are ``>= T`` and
+    leave the resident set when freed; a block below ``T`` (an activation, a shard's copy) is
+    reused from the heap. ``unit_bytes``: an iterable of ints; empty gives 1 MiB."""
     smallest = min((int(b) for b in unit_bytes), default=DEFAULT_THRESHOLD)
     return min(max(smallest, DEFAULT_THRESHOLD), MAX_THRESHOLD)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import Collectives, Pending
+from .collectives import UNIT_GATHER_ELEMS, Collectives, Pending
 
 
 def _merge(segments):
@@ -235,7 +235,8 @@ class Region:
         storage = self.param_flat.untyped_storage()
         storage.resize_(self.padded * self.param_flat.element_size())
         self.gathered = True
-        return self.comm.all_gather(self.param_flat, self.param_shard, self.group, logical=self.numel, async_op=async_op)
+        return self.comm.all_gather(self.param_flat, self.param_shard, self.group, logical=self.numel, async_op=async_op,
+                                    piece_elems=UNIT_GATHER_ELEMS)
 
     def release(self) -> None:
         """Stage 3: free the full parameters (the views stay, their storage shrinks to 0 bytes)."""
