@@ -217,6 +217,13 @@ def mmap_ab(o, stage: int, dp: int, pairs: int = 3, iters: int = 5, runs: int = 
     return out
 
 
+def _threshold_arg(value: str):
+    """``--mmap-threshold``: a byte count, or ``setup`` for ``training.setup``'s own policy."""
+    if value == "setup" or value.isdigit():
+        return value if value == "setup" else int(value)
+    raise argparse.ArgumentTypeError(f"expected a number of bytes or 'setup', got {value!r}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -228,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--build-only", action="store_true", help="build and optimizer allocation only")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
-    p.add_argument("--mmap-threshold", type=lambda v: v if v == "setup" else int(v), default=None,
+    p.add_argument("--mmap-threshold", type=_threshold_arg, default=None,
                    help="BYTES: each rank calls megazero.zero.host_memory.return_freed_memory(BYTES) before the "
                    "build (glibc M_MMAP_THRESHOLD); 'setup': training.setup's own policy; without it glibc's default")
     p.add_argument("--reduce-bucket-size", type=int, default=None, help="--zero-reduce-bucket-size (default: "

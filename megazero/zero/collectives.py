@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from megazero.parallel.primitives import PRIMITIVES, primitives_for  # the per-backend choice (one place)
 
+from .host_memory import HEAP_REUSED_FP32_ELEMS
+
 # ring-equivalent volume of each primitive as a multiple of the full tensor's length
 PRIMITIVE_FACTOR = {"all_reduce": 2, "reduce_scatter_tensor": 1, "reduce_scatter_list": 1,
                     "all_reduce+slice": 2, "all_gather_into_tensor": 1, "all_gather_list": 1}
@@ -50,7 +52,7 @@ LOGICAL_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 # it into the list: it runs in pieces of at most this many output elements (16 MiB of fp32), so
 # the temporary stays below glibc's largest dynamic mmap threshold (32 MiB) and is reused from
 # the heap; a 64 MB piece was a fresh mapping faulted in at every write-back
-LIST_GATHER_ELEMS = 1 << 22
+LIST_GATHER_ELEMS = HEAP_REUSED_FP32_ELEMS
 # stage 3's unit gathers keep pieces of 2^24 elements: their temporary, like the unit itself, is
 # then at least the unit threshold (``host_memory.unit_threshold``) and returned on free; pieces
 # below it would stay in the heap (measured at DP 4: step peak 1.35 -> 1.51 GB with 2^22)

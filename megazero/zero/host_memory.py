@@ -30,6 +30,11 @@ M_MMAP_THRESHOLD = -3  # <malloc.h>: mallopt parameter numbers
 M_TRIM_THRESHOLD = -1
 DEFAULT_THRESHOLD = 1 << 20  # bytes: every tensor of at least 1 MiB is its own mapping
 MAX_THRESHOLD = 32 << 20  # glibc refuses more than HEAP_MAX / 2 (32 MiB on 64-bit)
+# the largest transient ZeRO allocates per step on the CPU (a stage-2 round gradient, a piece of
+# gloo's list all-gather temporary): under glibc's dynamic policy a freed block below the 32 MiB
+# ceiling is reused from the heap, a larger one is a fresh mapping faulted in again every step
+HEAP_REUSED_BYTES = 16 << 20
+HEAP_REUSED_FP32_ELEMS = HEAP_REUSED_BYTES // 4
 
 
 def return_freed_memory(threshold_bytes: int = DEFAULT_THRESHOLD) -> bool:

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from .collectives import Collectives
+from .host_memory import HEAP_REUSED_FP32_ELEMS
 from .region import Region
 from .stage3 import find_units
 
@@ -120,7 +121,7 @@ def buckets(params, size: int) -> list[list]:
     return out
 
 
-HOST_ROUND_ELEMS = 1 << 22  # stage 2 on the CPU: round gradients of at most 16 MiB (fp32)
+HOST_ROUND_ELEMS = HEAP_REUSED_FP32_ELEMS  # stage 2 on the CPU: round gradients of at most 16 MiB (fp32)
 
 
 def round_bucket_size(stage: int, size: int, device) -> int:
