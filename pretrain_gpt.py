@@ -25,7 +25,7 @@ def model_provider(model_config, topo, micro_batch_size, device=None):
 def main(argv=None) -> int:
     from megazero.config.failures import warnings_as_lines
     from megazero.config.path_checks import check_free_space  # room for one checkpoint at --save
-    from megazero.parallel.launch import current_rank
+    from megazero.config.rank import current_rank
     with warnings_as_lines(current_rank()):  # one WARNING line per job, not one per rank
         args = parse_args(argv, prog="pretrain_gpt.py", training=True, checks=(check_free_space,))
     from megazero.model.stages import gpt_forward_step  # loss = sum(loss * loss_mask) / sum(loss_mask)

@@ -120,7 +120,7 @@ def _attention_peak(o, seq: int, comm: str, topo) -> tuple[int, int]:
     import torch
     import torch.nn.functional as F
 
-    from megazero.model.context_parallel import ring_attention, ulysses_attention
+    from megazero.context_parallel.attention import ring_attention, ulysses_attention
     cp, d, groups = topo.cp, o.hidden // o.heads, o.groups or o.heads
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, n, seq // cp, d, generator=g).requires_grad_() for n in (o.heads, groups, groups))

@@ -2,7 +2,7 @@
 """Greedy generation throughput on CPU: megazero (KV cache / recompute, TP 1 / 2) vs transformers.
 
 One random GPT-2 of the demo's size (4 layers, hidden 128, 4 heads, vocabulary 4096, 128
-positions) is built in transformers and loaded into megazero (``megazero.model.hf.load_hf``), so
+positions) is built in transformers and loaded into megazero (``megazero.checkpoint.convert.hf.load_hf``), so
 both generate from the same weights; the tokens are checked equal. Each system generates
 ``--new`` tokens after a ``--prompt-len``-token prompt for a batch of ``--batch`` rows, no eod.
 tokens/s = batch x new / wall time of the whole generate call (prefill included); every process
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megazero.model import GPTModel  # noqa: E402
-from megazero.model.generation import generate  # noqa: E402
-from megazero.model.hf import config_from_hf, load_hf  # noqa: E402
+from megazero.inference.generation import generate  # noqa: E402
+from megazero.checkpoint.convert.hf import config_from_hf, load_hf  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402
 
 

@@ -17,7 +17,7 @@ command lines as a user would run them (``tools/preprocess_data.py``, ``pretrain
    vocabulary 100) so the losses move. Pass: every iteration's loss within
    ``|dev - cpu| / |cpu| <= 1e-4`` (fp32) / ``3e-2`` (bf16). The fp32 ZeRO-0 CPU run's checkpoint
    is then decoded greedily (TP 1, fp32, KV cache) on the CPU and on the device: the tokens must
-   be equal (``--generate-worker``: ``tools/generate.py``'s ``load_model`` + ``megazero.model.generation``).
+   be equal (``--generate-worker``: ``tools/generate.py``'s ``load_model`` + ``megazero.inference.generation``).
 3. **speed** -- ``bench/gpu_mfu.py`` (1.34B Llama-style, bf16, ZeRO 1, micro-batch 4 x 8, seq 2048,
    flash SDPA) with selective recompute off and on: tokens/s, TFLOP/s, MFU; ``bench/gpu_peer.py``
    (the same model in plain PyTorch: autocast bf16, SDPA, fused AdamW) in the same run, and the
@@ -172,7 +172,7 @@ def generate_worker(load: str, device: str) -> None:
     import importlib.util
 
     import torch
-    from megazero.model.generation import generate
+    from megazero.inference.generation import generate
     spec = importlib.util.spec_from_file_location("mz_generate_tool", ROOT / "tools" / "generate.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -92,7 +92,7 @@ def _rank(rank, world, argv, out_dir, prev_dir, build_only, mmap_threshold=None)
     from megazero.checkpoint import schema
     from megazero.training import setup
     from megazero.training.build import build_configs
-    from megazero.training.lr_schedule import build_lr_scheduler
+    from megazero.optim.lr_schedule import build_lr_scheduler
     from megazero.zero.host_memory import return_freed_memory
     peaks = {"interpreter": rss_now()}
     own_policy = mmap_threshold == "setup"

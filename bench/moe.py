@@ -12,7 +12,7 @@ SwiGLU experts, one thread per rank):
   same ``MoELayer`` weights with ``--moe-token-dispatcher-type alltoall`` and ``allgather``; each
   rank routes its own ``T = seq x batch`` tokens. Measured: step time (slowest rank), the rows
   each rank sends per direction (``MoELayer.stats["sent_rows"]``, mean over ranks) against the
-  planner's formula (:func:`megazero.model.expert_memory.dispatch_rows_per_direction`: ``T k
+  planner's formula (:func:`megazero.planner.expert_memory.dispatch_rows_per_direction`: ``T k
   (EP-1)/EP`` for alltoall under balanced routing, bound ``T k``; ``(EP-1) T`` for allgather),
   the bytes per layer forward+backward (4 x rows x hidden x 4 B), and the two dispatchers'
   output difference.
@@ -46,7 +46,7 @@ def moe_config(a, dispatcher: str = "alltoall"):
 
 
 def moe_layer(config, topo):
-    from megazero.model.moe import MoELayer, MoEState
+    from megazero.moe.layer import MoELayer, MoEState
     state = MoEState(config.num_layers, "cpu", config.moe.num_experts)
     return MoELayer(config, 0, topo, None, state, "cpu", "cpu")
 
@@ -78,7 +78,7 @@ def timed(systems: dict, reps: int, warmup: int, sync=None) -> dict[str, float]:
 
 
 def _dispatch(rank, world, a):
-    from megazero.model.expert_memory import dispatch_rows_per_direction
+    from megazero.planner.expert_memory import dispatch_rows_per_direction
     from megazero.parallel.topology import Topology
     topo = Topology(world, rank, ep=world).create_groups()
     gen = torch.Generator().manual_seed(1000 + rank)

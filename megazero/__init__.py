@@ -13,6 +13,6 @@ def initialize(*args, **kwargs):
 
 def load_model(path: str, device="cpu", dtype=None, iteration=None):
     """A megazero checkpoint saved at any layout as one ``nn.Module`` giving logits over the real
-    vocabulary: see :func:`megazero.checkpoint.load_model.load_model`."""
-    from megazero.checkpoint.load_model import load_model as _load_model
+    vocabulary: see :func:`megazero.inference.load_model.load_model`."""
+    from megazero.inference.load_model import load_model as _load_model
     return _load_model(path, device=device, dtype=dtype, iteration=iteration)

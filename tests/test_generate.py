@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megazero.model import GPTConfig, GPTModel
-from megazero.model.generation import filter_logits, generate
+from megazero.inference.generation import filter_logits, generate
 from megazero.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_kv_cache_batching_and_recompute_agree(kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_chunked_prefill_equals_one_pass(kind):
-    from megazero.model.inference import InferenceCache
+    from megazero.inference.cache import InferenceCache
     model = GPTModel(config(kind)).eval()
     prompt = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
@@ -111,7 +111,7 @@ def test_tp_equals_tp1_and_rows_stop_independently(kind, tp):
 
 def test_generate_matches_transformers_greedy():
     transformers = pytest.importorskip("transformers")
-    from megazero.model.hf import config_from_hf, load_hf
+    from megazero.checkpoint.convert.hf import config_from_hf, load_hf
     torch.manual_seed(0)
     hf_configs = [transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64,
                                           initializer_range=0.2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from megazero.config.run_config import lr_config
-from megazero.training.lr_schedule import DeepSpeedLRScheduler, LRScheduler, build_lr_scheduler
+from megazero.optim.lr_schedule import DeepSpeedLRScheduler, LRScheduler, build_lr_scheduler
 
 
 def test_warmup_then_linear_and_cosine_decay():

@@ -10,8 +10,8 @@ import torch
 
 from megazero import planner as plan
 from megazero.model import GPTConfig, GPTModel
-from megazero.model import context_parallel as cpa
-from megazero.model import cp_memory
+from megazero.context_parallel import attention as cpa
+from megazero.planner import cp_memory
 from megazero.model.stages import expert_parallel_params
 from megazero.parallel.topology import Topology
 from megazero.planner.cli import main as planner_main

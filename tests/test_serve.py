@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.model.serving import Batcher, RequestError, parse_request
+from megazero.inference.serving import Batcher, RequestError, parse_request
 from megazero.testing import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

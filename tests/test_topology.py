@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.testing import RankFailure, RankTimeout, run_distributed
-from megazero.parallel.topology import Topology, layout
+from megazero.parallel.layout import layout
+from megazero.parallel.topology import Topology
 
 
 def test_megatron_documented_groups_world16_tp2_pp4():

@@ -18,7 +18,7 @@ only, tied output layer left out; written with ``torch.save``, loadable with ``w
 LayerNorm, GELU, biases, tied embeddings) or ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), and
 for MoE models ``MixtralForCausalLM`` (every layer MoE, no shared expert) or
 ``Qwen2MoeForCausalLM`` (a gated shared expert; dense layers as ``mlp_only_layers``), experts
-under the Hub's per-expert names; the tensor mapping is :mod:`megazero.model.hf`'s.  The checkpoint's tokenizer (recorded flags) is
+under the Hub's per-expert names; the tensor mapping is :mod:`megazero.checkpoint.convert.hf`'s.  The checkpoint's tokenizer (recorded flags) is
 written as HF tokenizer files, so ``AutoTokenizer.from_pretrained(HF_DIR)`` loads it.
 
 ``from-hf``: a one-rank megazero checkpoint (TP 1, PP 1, DP 1, ZeRO 0) holding the weights and
@@ -31,7 +31,7 @@ are printed (``--openai-gelu`` for GPT-2's tanh GELU).  The folder's tokenizer f
 
 ``from-megatron``: the same from a Megatron-LM legacy checkpoint (``torch`` format:
 ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` or ``release/``), any TP x PP (x VP),
-legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.megatron`.
+legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.convert.megatron`.
 
 Memory: the reader streams one full parameter at a time out of memory-mapped rank files.
 ``to-hf`` writes ``model.safetensors`` incrementally (header from the shapes first, then one
@@ -60,7 +60,7 @@ from megazero.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: E4
 from megazero.checkpoint.schema import CheckpointError  # noqa: E402
 from megazero.checkpoint.torch_stream import save_streamed  # noqa: E402
 from megazero.config.failures import debug_requested, describe  # noqa: E402
-from megazero.model import hf as hfmap  # noqa: E402
+from megazero.checkpoint.convert import hf as hfmap  # noqa: E402
 from megazero.model.config import GPTConfig  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,7 +103,7 @@ def to_hf(load: str, output: str, iteration: int | None = None, arch: str | None
 def _stream_hf(reader, config, arch: str, kind: str, dtype: torch.dtype, path: str) -> None:
     """``model.safetensors`` written one parameter at a time: the header from meta tensors of the
     HF names and shapes (:meth:`CheckpointReader.full_meta`, nothing read), then each full
-    parameter read, mapped (:func:`megazero.model.hf.full_to_hf`: one megazero parameter gives
+    parameter read, mapped (:func:`megazero.checkpoint.convert.hf.full_to_hf`: one megazero parameter gives
     one or more HF tensors), written and freed. A tied output layer is left out (transformers
     re-ties ``lm_head.weight`` to the input embedding)."""
     def hf_of(name: str, full: torch.Tensor) -> dict:
@@ -151,7 +151,7 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
                               ("--apply-layernorm-1p", c.apply_layernorm_1p),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
     if c.moe is not None:  # Megatron's MoE flags
-        from megazero.checkpoint.megatron_moe import moe_flags
+        from megazero.checkpoint.convert.megatron_moe import moe_flags
         flags += moe_flags(c.moe)
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
@@ -232,7 +232,7 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
 def from_megatron(load: str, save: str, iteration: int | None = None, vocab_size: int | None = None,
                   dtype: str = "float32"):
     """Write a megazero checkpoint of a Megatron-LM legacy checkpoint; returns (config, tokenizer flags)."""
-    from megazero.checkpoint.megatron import MegatronCheckpoint
+    from megazero.checkpoint.convert.megatron import MegatronCheckpoint
     with MegatronCheckpoint(load, iteration, vocab_size=vocab_size) as ckpt:
         out_iteration = ckpt.iteration
         write_imported(save, ckpt.config, ckpt.full_tensor, out_iteration, dtype, ckpt.tokenizer_flags,

@@ -19,7 +19,7 @@ in ``DIR/tokenizer/``); ``--tokenizer-type`` replaces it and ``--tokenizer-model
 the model's vocabulary) prompts and completions are whitespace-separated token ids. Prompts (``--prompt``, repeatable, and/or
 ``--prompt-file``, one per line) run in batches of ``--batch-size`` rows, left-padded.
 
-Decoding (:mod:`megazero.model.generation`): greedy by default; ``--temperature``, ``--top-k``,
+Decoding (:mod:`megazero.inference.generation`): greedy by default; ``--temperature``, ``--top-k``,
 ``--top-p`` switch to sampling from a generator seeded by ``--seed`` on the all-gathered logits,
 identical on all TP ranks. Rows stop at the tokenizer's eod; a batch stops when every row has,
 or after ``--max-new-tokens``. Rank 0 prints each completion and the tokens/s.
@@ -46,7 +46,7 @@ import torch.distributed as dist  # noqa: E402
 from megazero.checkpoint import CheckpointError  # noqa: E402
 from megazero.config.failures import debug_requested, describe  # noqa: E402
 from megazero.model import GPTConfig, GPTModel  # noqa: E402
-from megazero.model.generation import generate  # noqa: E402
+from megazero.inference.generation import generate  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

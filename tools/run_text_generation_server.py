@@ -9,9 +9,9 @@
 
 Rank 0 serves HTTP (``PUT /api``: Megatron's request and response fields; ``GET /health``); every
 rank loads the model as ``tools/generate.py`` does (same code) and runs each batch: rank 0
-broadcasts it, all ranks call :func:`megazero.model.generation.generate`. Concurrent requests
+broadcasts it, all ranks call :func:`megazero.inference.generation.generate`. Concurrent requests
 are batched (``--max-batch-size`` prompts, ``--batch-wait-ms``; see
-:mod:`megazero.model.serving`); more than ``--max-queue`` waiting requests get 503. A bad request
+:mod:`megazero.inference.serving`); more than ``--max-queue`` waiting requests get 503. A bad request
 gets 400 ``{"message": ...}`` with Megatron's wording. SIGTERM stops accepting (503), finishes
 the queued requests, and exits. Binds 127.0.0.1 unless ``--host`` says otherwise.
 """
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 
 import generate as gen_tool  # noqa: E402  (tools/generate.py: one loading and decoding path)
-from megazero.model.serving import Batcher, RequestError, batch_work, cut_row, parse_request, run_work  # noqa: E402
+from megazero.inference.serving import Batcher, RequestError, batch_work, cut_row, parse_request, run_work  # noqa: E402
 
 MAX_BODY = 1 << 20
 

@@ -8,7 +8,7 @@ DeepSpeed way (engine(...), engine.backward(loss), engine.step()), on CPU or GPU
 The model is a small random RobertaForMaskedLM; the data are tokens drawn from a Zipf law
 (``P(k) ~ 1 / k``) of which 15% are masked, so the loss falls from ln(vocabulary) = 6.9 towards
 the law's entropy (printed at the start), the best a model without context can do. A checkpoint saved with
-``--save`` loads at any DP size (``--load``), and ``python -m megazero.engine.zero_to_fp32 DIR OUT``
+``--save`` loads at any DP size (``--load``), and ``python -m megazero.checkpoint.zero_to_fp32 DIR OUT``
 writes one fp32 state dict that ``RobertaForMaskedLM.load_state_dict`` takes.
 """
 

@@ -14,7 +14,7 @@ config files, and the typed configs the rest of megazero reads instead of the na
   :func:`.run_config.run_config`; :mod:`.batch_schedule`, :mod:`.optimizer`, :mod:`.model`.
 
 It imports the model's config and arithmetic (:mod:`megazero.model.config`,
-:mod:`megazero.model.moe_config`, :mod:`megazero.model.memory`), the data package's tokenizer
+:mod:`megazero.moe.config`, :mod:`megazero.planner.memory`), the data package's tokenizer
 config and split parser, :mod:`megazero.parallel.launch`'s rank and
 :func:`megazero.parallel.topology.layout` (the expert grid's divisibility, checked without a
 process group); never training, checkpoint or planner code.

@@ -35,7 +35,7 @@ from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.domains import check_domains
 from megazero.config.run_checks import check_required, check_run
-from megazero.parallel.launch import current_rank
+from megazero.config.rank import current_rank
 
 
 

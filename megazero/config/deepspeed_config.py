@@ -31,7 +31,7 @@ from megazero.config.deepspeed_keys import (BATCH_KEYS, BLOCKS_ENABLED_BY_PRESEN
                                      TOP_KEYS, ZERO_ALIASES, ZERO_KEYS, check_grad_norm, fp16_scaler_defaults,
                                      load_config, offload_devices, range_error)
 from megazero.config.deepspeed_optim import apply_optimizer, apply_scheduler
-from megazero.parallel.launch import current_rank
+from megazero.config.rank import current_rank
 
 SOURCE_ORDER = ("command line", "config", "auto", "DeepSpeed default")
 HANDLED = {"optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "bfloat16", *BATCH_KEYS, *TOP_KEYS}
@@ -253,7 +253,7 @@ def apply_zero(m: Merge) -> None:
 def planned_memory(args) -> str:
     """The planner's per-rank memory for this layout (``python -m megazero.planner``)."""
     from megazero.config.model import gpt_config
-    from megazero.model.memory import estimate
+    from megazero.planner.memory import estimate
     need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size")
     missing = [flag_name(n) for n in need if getattr(args, n, None) is None]
     dp = data_parallel_size(args)

@@ -11,7 +11,7 @@ eps 1e-8. Without an optimizer block the Megatron flags (``--lr``...) are the cl
 Scheduler (``deepspeed/runtime/lr_schedules.py`` 0.19.8): WarmupLR, WarmupDecayLR, WarmupCosineLR
 with DeepSpeed's parameter names and defaults (WarmupLR without ``warmup_max_lr``: the optimizer's
 lr; ``warmup_num_steps`` a positive JSON integer); OneCycle and LRRangeTest are refused -> ``args.deepspeed_scheduler`` (keywords of
-``megazero.training.lr_schedule.DeepSpeedLRScheduler``). Explicit ``--lr``, ``--min-lr``,
+``megazero.optim.lr_schedule.DeepSpeedLRScheduler``). Explicit ``--lr``, ``--min-lr``,
 ``--lr-warmup-iters``, ``--lr-decay-iters`` replace warmup_max_lr, warmup_min_lr,
 warmup_num_steps, total_num_steps; an explicit ``--lr-decay-style`` replaces the whole block
 with Megatron's schedule. Without a scheduler block the Megatron flags' schedule is used (the

@@ -16,7 +16,7 @@ from megazero.config.megatron_flags import add_compat_flags
 from megazero.config.cp_flags import add_cp_flags
 from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
 from megazero.config.run_checks import TOKENIZERS
-from megazero.parallel.launch import current_rank
+from megazero.config.rank import current_rank
 
 
 def int_like(text: str) -> int:

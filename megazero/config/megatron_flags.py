@@ -23,7 +23,7 @@ import ast
 import pathlib
 from dataclasses import dataclass
 
-from megazero.parallel.launch import current_rank
+from megazero.config.rank import current_rank
 
 PREFIX = "megatron:"
 

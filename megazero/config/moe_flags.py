@@ -2,7 +2,7 @@
 and ``--moe-*`` flags (core_v0.20.0: ``_add_moe_args`` and the ``moe_*`` fields of
 ``TransformerConfig``, same names, dests, types and defaults) and their checks.
 
-The flags land in the namespace as Megatron names them; :class:`megazero.model.moe_config.MoEConfig`
+The flags land in the namespace as Megatron names them; :class:`megazero.moe.config.MoEConfig`
 (via ``GPTConfig.from_megatron``) turns them into the model's frozen config. Values that
 Megatron accepts and megazero does not have (a ``flex`` dispatcher, ``sqrtsoftplus`` scores,
 ``sinkhorn`` balancing, ...) are not argparse choices: :func:`check_moe` names each with what to
@@ -18,8 +18,8 @@ import argparse
 
 from megazero.config.cp_flags import model_parallel_product
 from megazero.model.config import default_ffn_hidden_size
-from megazero.model.moe_config import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig
-from megazero.parallel.topology import layout
+from megazero.moe.config import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig
+from megazero.parallel.layout import layout
 
 # Values of Megatron's choices that megazero refuses, with what each is and what to use instead.
 NOT_AVAILABLE = {
@@ -43,7 +43,7 @@ CHOICES = {"moe_token_dispatcher_type": DISPATCHERS, "moe_router_score_function"
 
 def moe_freq(text: str):
     """``--moe-layer-freq``: an int when the text is one, else the text itself (a list expression
-    such as ``"([1]*3+[0])*2"``; :func:`megazero.model.moe_config.layer_pattern` reads it, without
+    such as ``"([1]*3+[0])*2"``; :func:`megazero.moe.config.layer_pattern` reads it, without
     ``eval``, once ``--num-layers`` is known)."""
     try:
         return int(text)

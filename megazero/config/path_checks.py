@@ -28,7 +28,7 @@ import os
 import shutil
 
 from megazero.config.model import gpt_config
-from megazero.model.memory import total_params
+from megazero.planner.memory import total_params
 
 PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
 NEEDS = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("tokenizer_model",),
@@ -150,7 +150,7 @@ def checkpoint_bytes(args) -> tuple[int, int]:
     dtype (p = 2 with --fp16/--bf16, else 4) plus the fp32 master weights and Adam moments (12),
     whatever the layout (docs/checkpoints.md, "Written once"; measured 14.3 Φ in bf16, 16.3 Φ in
     fp32 on a 0.17M-parameter GPT, the rest being the index and RNG states); ``p Φ`` with
-    ``--no-save-optim``. Φ is :func:`megazero.model.memory.total_params` (the planner's); an unknown
+    ``--no-save-optim``. Φ is :func:`megazero.planner.memory.total_params` (the planner's); an unknown
     vocabulary (read from the tokenizer later) counts as 1 token: the estimate is then a lower bound."""
     phi = total_params(gpt_config(args, vocab_size=args.vocab_size or 1))
     p = 2 if args.fp16 or args.bf16 else 4

@@ -17,7 +17,7 @@ from megazero.config.configs import (CheckpointConfig, DataConfig, LoggingConfig
 from megazero.config.model import gpt_config
 from megazero.config.optimizer import OptimizerConfig
 from megazero.data.tokenizers import TokenizerConfig
-from megazero.model.moe_config import MOE_ARG_KEYS
+from megazero.moe.config import MOE_ARG_KEYS
 
 
 def parallel_config(args) -> ParallelConfig:

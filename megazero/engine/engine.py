@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import checkpoint
+from megazero.checkpoint import engine as checkpoint
 from .checks import check_unchanged, parameter_signature
 
 
@@ -119,7 +119,7 @@ class ZeroEngine(nn.Module):
         with self.zero.gathered_params():
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    # ---- checkpoints (megazero.engine.checkpoint) -----------------------------------------------
+    # ---- checkpoints (megazero.checkpoint.engine) -----------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         """Every rank writes its shards to ``save_dir/tag`` (default tag ``global_step{N}``, as

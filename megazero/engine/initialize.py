@@ -44,7 +44,7 @@ from megazero.zero import ZeroOptimizer
 from .checks import check_registered, check_same_model, slow_knobs
 from .engine import ZeroEngine
 from .optimizer import EngineOptimizer
-from .scheduler import GroupLRScheduler
+from megazero.optim.group_schedule import GroupLRScheduler
 from .units import default_units
 
 

@@ -6,7 +6,7 @@ Being a ``torch.optim.Optimizer`` lets any torch LR scheduler drive it: the sche
 ``group["lr"]`` and :meth:`EngineOptimizer.step` reads every group's settings at each step, as
 DeepSpeed's ZeRO optimizers expose their wrapped optimizer's groups. Each group's update is
 ``torch.optim.AdamW``'s (decoupled decay on every element of the group; Adam with L2 decay when
-the config says ``adam_w_mode: false``), see :mod:`megazero.zero.adamw`.
+the config says ``adam_w_mode: false``), see :mod:`megazero.optim.adamw`.
 """
 
 from __future__ import annotations

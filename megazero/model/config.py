@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from .moe_config import MOE_ARG_KEYS, MOE_SHAPE_KEYS, MoEConfig
+from megazero.moe.config import MOE_ARG_KEYS, MOE_SHAPE_KEYS, MoEConfig
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
@@ -93,7 +93,7 @@ class GPTConfig:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     label_smoothing: float = 0.0
-    moe: MoEConfig | None = None  # Mixture of Experts (megazero.model.moe_config); None: dense
+    moe: MoEConfig | None = None  # Mixture of Experts (megazero.moe.config); None: dense
     cp_comm_type: str = "p2p"  # attention across context-parallel ranks: "p2p" (ring) or "a2a" (Ulysses)
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from megazero.tensor_parallel.mappings import group_rank, group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .config import GPTConfig
-from .context_parallel import positions_for_rank
+from megazero.context_parallel.attention import positions_for_rank
 from .transformer import Norm, TransformerLayer, rope_cos_sin
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -108,7 +108,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
         if config.moe is not None and moe_state is None:
-            from .moe import MoEState
+            from megazero.moe.layer import MoEState
             moe_state = MoEState(config.num_layers, self.device, config.moe.num_experts,
                                  config.moe.enable_expert_bias, self.cp)
         self.moe_state = moe_state  # shared by the MoE routers of this rank's chunks (None: dense)
@@ -151,7 +151,7 @@ class GPTModel(nn.Module):
                 labels: torch.Tensor | None = None, inference_cache=None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """See docs/INTERFACES.md. ``inference_cache`` (a prepared
-        :class:`~megazero.model.inference.InferenceCache`): ``x`` holds only the new tokens, the
+        :class:`~megazero.inference.cache.InferenceCache`): ``x`` holds only the new tokens, the
         layers attend over the cached keys/values too (position ids default to the cache's).
         ``attention_mask``: ``[b, 1, s, s]`` bool, True where attention is not allowed (causal
         part included; ``--reset-attention-mask``'s per-document mask); None: causal."""

@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.pipeline.chunks import chunk_layer_ranges, chunk_roles
-from megazero.pipeline.p2p import pipeline_tensor_shape
+from megazero.parallel.layout import chunk_layer_ranges, chunk_roles, pipeline_tensor_shape
 from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
 
-from .context_parallel import slice_for_rank
+from megazero.context_parallel.attention import slice_for_rank
 from .gpt import WORD_EMBEDDING
 
 
@@ -64,7 +63,7 @@ class ModelStages:
 
     * ``expert_params``: this EP rank's routed-expert parameters; ZeRO reduces and shards them
       over the expert-data-parallel group instead of DP.
-    * ``moe``: the :class:`~megazero.model.moe.MoEState` the chunks' routers share: the training
+    * ``moe``: the :class:`~megazero.moe.layer.MoEState` the chunks' routers share: the training
       loop sets its aux-loss scale each step (``set_aux_scale(grad_scale / M)``), takes its
       metrics (``take()``) and runs ``update_expert_bias`` after the backward.
     """
@@ -233,7 +232,7 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer.
 
     Context parallelism (``chunk.topo.cp > 1``): the rank keeps its load-balanced chunks of
-    whole-sequence entries (:func:`~megazero.model.context_parallel.slice_for_rank`; the training
+    whole-sequence entries (:func:`~megazero.context_parallel.attention.slice_for_rank`; the training
     data source delivers them sliced already) and its loss is
     ``CP * sum_local(loss * mask) / sum_all(mask)`` (the mask count summed over the CP group, no
     gradient): the mean over the CP ranks -- which the DP x CP gradient average and the logged

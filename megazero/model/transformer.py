@@ -32,8 +32,11 @@ from torch import nn
 
 from megazero.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint, copy_to_tp_region,
                                       dropout, seeded_normal)
+from megazero.tensor_parallel.activations import activate
 from megazero.tensor_parallel.mappings import group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
+
+from megazero.moe.layer import MoELayer
 
 from .config import GPTConfig
 
@@ -138,8 +141,8 @@ class Attention(nn.Module):
 
     def context_parallel_attention(self, q, k, v, attention_mask=None):
         """Causal attention over the whole sequence spread on the CP group
-        (:mod:`~megazero.model.context_parallel`): the ring (``p2p``) or all-to-all (``a2a``)."""
-        from .context_parallel import ring_attention, ulysses_attention
+        (:mod:`~megazero.context_parallel.attention`): the ring (``p2p``) or all-to-all (``a2a``)."""
+        from megazero.context_parallel.attention import ring_attention, ulysses_attention
         if attention_mask is not None:
             raise ValueError("--reset-attention-mask is not supported with context parallelism")
         if self.config.cp_comm_type == "a2a":
@@ -155,7 +158,7 @@ class Attention(nn.Module):
         v = v.reshape(s, b, self.groups, self.d).permute(1, 2, 0, 3)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if inference_cache is not None:  # incremental decoding (megazero.model.inference)
+        if inference_cache is not None:  # incremental decoding (megazero.inference.cache)
             k, v = inference_cache.update(self.layer_number, k, v)
             ctx = inference_cache.attend(q, k, v)
         elif self.cp > 1:
@@ -166,15 +169,6 @@ class Attention(nn.Module):
             ctx = self.core_attention(q, k, v, attention_mask)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         return self.dense(ctx)
-
-
-def activate(y: torch.Tensor, activation: str) -> torch.Tensor:
-    """The MLP's nonlinearity on fc1's output: ``silu(gate) * up`` for SwiGLU (``y = [gate; up]``
-    on the last dim), exact or tanh GELU otherwise."""
-    if activation == "swiglu":
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 class MLP(nn.Module):
@@ -205,7 +199,7 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """Pre-norm layer number ``layer_number`` (global, 0-based); its MLP is an MoE block
-    (:class:`~megazero.model.moe.MoELayer`, over ``topo``'s expert groups, sharing ``moe_state``)
+    (:class:`~megazero.moe.layer.MoELayer`, over ``topo``'s expert groups, sharing ``moe_state``)
     where the config's MoE layer pattern says so."""
 
     def __init__(self, config: GPTConfig, layer_number: int, tp_group, tracker, device, topo=None, moe_state=None,
@@ -219,8 +213,13 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(config, layer_number, tp_group, tracker, device, topo)
         self.post_attention_norm = Norm(config, tp_group, sp, device)
         if config.moe is not None and config.moe.is_moe(layer_number):
-            from .moe import MoELayer
-            self.mlp = MoELayer(config, layer_number, topo, tracker, moe_state, device, buffer_device or device)
+            shared = None
+            if config.moe.shared_expert_intermediate_size:
+                shared = MLP(config, layer_number, tp_group, device,
+                             ffn_hidden_size=config.moe.shared_expert_intermediate_size,
+                             key=f"layers.{layer_number}.mlp.shared_expert")
+            self.mlp = MoELayer(config, layer_number, topo, tracker, moe_state, device, buffer_device or device,
+                                shared_expert=shared)
         else:
             self.mlp = MLP(config, layer_number, tp_group, device)
 

@@ -84,15 +84,6 @@ def detect_launch(env=os.environ) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")
 
 
-def current_rank(env=os.environ) -> int:
-    """This process's global rank: the process group's if started, else the launcher's
-    (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``; 0 in a single process). The one place that
-    reads it before ``init_process_group`` (rank-0-only start-up lines, the checkpoint guard)."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
-
-
 def threads_per_rank(local_world_size: int, cores: int | None = None, env=os.environ) -> int:
     """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (as PyTorch itself reads it;
     torchrun sets 1 when it starts several processes per node), else an even share of the node's

@@ -16,6 +16,21 @@ On gloo the reduce-scatter therefore moves an all-reduce's volume; whoever accou
 reports both the logical operation and the primitive that ran.
 """
 
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Ranks in ``group``; ``None`` (no group: one process) counts as 1."""
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_rank(group) -> int:
+    """This rank's index in ``group``; 0 without a group."""
+    return dist.get_rank(group) if group is not None else 0
+
+
 PRIMITIVES = {
     "nccl": {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter_tensor",
              "all_gather": "all_gather_into_tensor"},

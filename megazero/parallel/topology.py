@@ -51,60 +51,9 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "dp", "pp", "model_parallel", "embedding", "position_embedding", "cp", "dp_cp", "tp_cp",
-               "ep", "etp", "edp", "tp_ep")
-EXPERT_KINDS = ("ep", "etp", "edp", "tp_ep")
-
-
-def expert_groups_needed(tp: int, cp: int, ep: int, etp: int | None) -> bool:
-    """Whether the expert grid differs from the dense one (EP > 1, ETP != TP or CP > 1)."""
-    return ep > 1 or (etp if etp is not None else tp) != tp or cp > 1
-
-
-def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-           etp: int | None = None) -> dict[str, list[list[int]]]:
-    """Return every group kind's rank lists for ``world_size`` ranks (no process groups); the
-    ``cp`` kind only when CP > 1, the expert kinds only when :func:`expert_groups_needed`.
-    ``etp``: the expert-tensor-parallel size (None: TP).
-
-    Raises ``ValueError`` when ``world_size`` is not divisible by ``tp * cp * pp`` or
-    ``etp * ep`` does not divide a stage's ``tp * cp * dp`` ranks.
-    """
-    etp = tp if etp is None else etp
-    if min(tp, pp, cp, ep, etp, world_size) < 1:
-        raise ValueError(f"sizes must be positive: world {world_size}, TP {tp}, CP {cp}, EP {ep}, ETP {etp}, PP {pp}")
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by TP {tp} x CP {cp} x PP {pp} = {tp * cp * pp}")
-    dp = world_size // (tp * cp * pp)
-    if (tp * cp * dp) % (etp * ep):
-        raise ValueError(f"expert TP {etp} x EP {ep} = {etp * ep} does not divide the {tp * cp * dp} ranks of a "
-                         f"pipeline stage (TP {tp} x CP {cp} x DP {dp}; world {world_size} / PP {pp})")
-    grid = torch.arange(world_size).view(pp, dp, cp, tp)
-    groups = {
-        "tp": grid.reshape(-1, tp).tolist(),
-        "dp": grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist(),
-        "pp": grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist(),
-        "model_parallel": grid.permute(1, 2, 0, 3).reshape(dp * cp, -1).tolist(),
-    }
-    if cp > 1:
-        groups["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()
-        groups["dp_cp"] = grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
-        groups["tp_cp"] = grid.reshape(-1, cp * tp).tolist()
-    if expert_groups_needed(tp, cp, ep, etp):
-        edp = tp * cp * dp // (etp * ep)
-        egrid = torch.arange(world_size).view(pp, edp, ep, etp)
-        groups["ep"] = egrid.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
-        groups["etp"] = egrid.reshape(-1, etp).tolist()
-        groups["edp"] = egrid.permute(0, 2, 3, 1).reshape(-1, edp).tolist()
-        groups["tp_ep"] = egrid.reshape(-1, ep * etp).tolist()
-    ends = sorted({0, pp - 1})
-    groups["embedding"] = [[r[i] for i in ends] for r in groups["pp"]]
-    groups["position_embedding"] = [[r[0]] for r in groups["pp"]]
-    return groups
-
+from .layout import EXPERT_KINDS, GROUP_KINDS, expert_groups_needed, layout
 
 @dataclass
 class Topology:

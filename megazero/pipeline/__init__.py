@@ -5,8 +5,10 @@ chunks, the forward step, the activation shape and the shared parameters come in
 (a model's ``ModelStages``, see ``megazero.model.stages``).
 """
 
-from .chunks import allreduce_shared_grads, chunk_layer_ranges, chunk_roles
-from .p2p import P2PCommunicator, PipelineCommError, pipeline_tensor_shape
+from megazero.parallel.layout import chunk_layer_ranges, chunk_roles, pipeline_tensor_shape
+
+from .chunks import allreduce_shared_grads
+from .p2p import P2PCommunicator, PipelineCommError
 from .plan import (Action, P2P, build_plan, compute_order, compute_steps, format_plan, in_flight_bound,
                    schedule_name, simulate, theoretical_bubble, warmup_count)
 from .schedules import PipelineRunner, forward_backward

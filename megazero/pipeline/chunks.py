@@ -1,6 +1,7 @@
-"""Model-free layout math of pipeline chunks, and the gradient sum of parameters shared by stages.
+"""The gradient sum of parameters shared by pipeline stages.
 
-With ``PP`` pipeline ranks and ``VP`` chunks per rank there are ``S = PP * VP`` virtual stages;
+The layout math of chunks (:func:`megazero.parallel.layout.chunk_layer_ranges`,
+:func:`~megazero.parallel.layout.chunk_roles`): with ``PP`` pipeline ranks and ``VP`` chunks per rank there are ``S = PP * VP`` virtual stages;
 the ``L`` layers are split evenly, ``L / S`` consecutive layers per virtual stage, and chunk
 ``c`` of pipeline rank ``r`` is virtual stage ``s = c * PP + r`` (Megatron's interleaved order:
 PP = 2, VP = 2, 8 layers -> rank 0 holds layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7).  The
@@ -17,20 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-
-def chunk_layer_ranges(num_layers: int, pp: int, vp: int, pp_rank: int) -> list[tuple[int, int]]:
-    """``[(layer_start, layer_end), ...]`` of each of ``pp_rank``'s VP chunks (global layers)."""
-    stages = pp * vp
-    if num_layers % stages:
-        raise ValueError(f"{num_layers} layers cannot be split evenly over PP {pp} x VP {vp} = {stages} chunks")
-    per = num_layers // stages
-    return [((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per) for c in range(vp)]
-
-
-def chunk_roles(pp: int, vp: int, pp_rank: int) -> list[tuple[bool, bool]]:
-    """``[(pre_process, post_process), ...]`` of each chunk: input-side / output-and-loss owner."""
-    return [(c == 0 and pp_rank == 0, c == vp - 1 and pp_rank == pp - 1) for c in range(vp)]
 
 
 def allreduce_shared_grads(shared_params) -> None:

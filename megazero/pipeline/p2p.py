@@ -23,16 +23,6 @@ class PipelineCommError(RuntimeError):
     """A point-to-point exchange failed or timed out; the message names the peers involved."""
 
 
-def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int,
-                          tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> tuple:
-    """Shape of the hidden states sent between stages: ``[s(/TP), b, h]``."""
-    if sequence_parallel:
-        if seq_length % tensor_parallel_size:
-            raise ValueError(f"sequence length {seq_length} not divisible by TP {tensor_parallel_size}")
-        seq_length //= tensor_parallel_size
-    return (seq_length, micro_batch_size, hidden_size)
-
-
 class P2PCommunicator:
     """Sends and receives fixed-shape tensors to/from pipeline ranks of ``topo``'s pp group."""
 

@@ -29,20 +29,20 @@ divisible by CP; ZeRO partitions over DP x CP.
 The attention backend (``--use-flash-attn``, ``--attention-backend``) decides whether a layer keeps
 Korthikanti's ``5 a s^2 b`` scores: only ``unfused``/``local`` do (:func:`megazero.planner.cli.attention_keeps_scores`).
 The formulas (parameters, ZeRO model states, activations, communication per step) are
-:mod:`megazero.model.memory`'s and, for the experts and CP, :mod:`megazero.model.expert_memory`'s
-and :mod:`megazero.model.cp_memory`'s, which the flags' checks use too.
+:mod:`megazero.planner.memory`'s and, for the experts and CP, :mod:`megazero.planner.expert_memory`'s
+and :mod:`megazero.planner.cp_memory`'s, which the flags' checks use too.
 """
 
 from __future__ import annotations
 
 from megazero.model.config import GPTConfig
-from megazero.model.cp_memory import (check_cp_layout, cp_attention_bytes, cp_attention_kept_bytes,  # noqa: F401
+from megazero.planner.cp_memory import (check_cp_layout, cp_attention_bytes, cp_attention_kept_bytes,  # noqa: F401
                                       cp_chunk_activation_bytes, cp_valid, ring_bytes, ring_transient_bytes,
                                       ulysses_bytes)
-from megazero.model.expert_memory import (dispatch_bytes, dispatch_rows_per_direction,  # noqa: F401
+from megazero.planner.expert_memory import (dispatch_bytes, dispatch_rows_per_direction,  # noqa: F401
                                           expert_data_parallel, moe_activation_delta, moe_block_params,
                                           routed_rows)
-from megazero.model.memory import (GiB, Layout, active_params, chunk_activation_bytes, embedding_params,  # noqa: F401
+from megazero.planner.memory import (GiB, Layout, active_params, chunk_activation_bytes, embedding_params,  # noqa: F401
                                    estimate, head_params, layer_activation_bytes, layer_params, model_state_bytes,
                                    norm_params, stage_layers, stage_param_split, stage_params, total_params)
 
@@ -100,7 +100,7 @@ def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_bat
     """Every valid layout, sorted by per-GPU memory (then communication). An MoE model's layouts
     also range over EP (``ep`` fixes it) with expert TP ``etp`` (default TP): :func:`expert_layouts`.
     ``cp``: context-parallel ranks (default 1); None tries every CP dividing world / (TP PP) that can
-    split the sequence (:func:`~megazero.model.cp_memory.cp_valid`, ``shape.cp_comm_type``)."""
+    split the sequence (:func:`~megazero.planner.cp_memory.cp_valid`, ``shape.cp_comm_type``)."""
     out, sp = [], kw.get("sequence_parallel", False)
     for t, p, v in pipelines(shape, world_size, tp, pp, max_tp, layers_per_virtual_stage):
         for c in ([cp] if cp else divisors(world_size // (t * p))):

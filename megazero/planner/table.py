@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megazero.model.memory import GiB, active_params
+from megazero.planner.memory import GiB, active_params
 
 from .timing import Ranked
 

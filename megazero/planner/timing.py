@@ -11,7 +11,7 @@ recompute the attention's forward scores again (``4 L s (a d)`` per token).
 
 **Pipeline bubble**: ``(PP - 1) / (VP M)`` of the compute time (1F1B, interleaved with VP chunks).
 
-**Communication**: each part of :class:`~megazero.model.memory.Layout`'s bytes (what one rank sends)
+**Communication**: each part of :class:`~megazero.planner.memory.Layout`'s bytes (what one rank sends)
 over the bandwidth of its group: NVLink when the group lies inside one node, the GPU's network link
 otherwise. Groups follow Megatron's rank order tp-cp-dp-pp (experts etp-ep-edp): a group of n ranks
 at stride k lies in a node when ``k n <= GPUs per node`` (TP stride 1, CP stride TP, DP x CP
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.model.config import GPTConfig
-from megazero.model.memory import GiB, Layout, active_params, embedding_params
+from megazero.planner.memory import GiB, Layout, active_params, embedding_params
 
 from .presets import GPU
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.parallel.primitives import primitives_for
+from megazero.parallel.primitives import group_rank, group_size, primitives_for
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
@@ -44,14 +44,6 @@ __all__ = [
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def group_rank(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
 
 
 def _primitives(group) -> tuple[str, str]:

@@ -61,7 +61,8 @@ from megazero.config.run_config import data_config, run_config
 from megazero.data.tokenizers import saved_tokenizer_flags
 from megazero.model.saved_args import model_arg_diffs
 from megazero.model.stages import ModelStages, gpt_stages, provider_options
-from megazero.parallel.launch import current_rank, init_distributed
+from megazero.config.rank import current_rank
+from megazero.parallel.launch import init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of
 from megazero.zero.host_memory import return_freed_memory, unit_threshold
@@ -122,7 +123,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     from megazero.pipeline import PipelineRunner
     from megazero.training.logger import TensorBoardLogger, open_wandb
     from megazero.training.loop import Trainer
-    from megazero.training.lr_schedule import build_lr_scheduler
+    from megazero.optim.lr_schedule import build_lr_scheduler
     from megazero.zero import ZeroOptimizer
 
     config = run if isinstance(run, RunConfig) else build_configs(run)                              # 1

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from megazero.checkpoint import CheckpointError
 from megazero.data.indexed_dataset import DataError
 from megazero.config.failures import debug_requested, report
-from megazero.parallel.launch import current_rank, detect_launch
+from megazero.config.rank import current_rank
+from megazero.parallel.launch import detect_launch
 from megazero.training.build import build_configs, setup
 from megazero.training.signals import ExitSignal
 

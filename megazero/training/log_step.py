@@ -11,7 +11,7 @@ from datetime import datetime
 import torch
 
 from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
-from megazero.training.lr_schedule import learning_rates
+from megazero.optim.lr_schedule import learning_rates
 
 
 class TrainerLogging:

@@ -27,7 +27,7 @@ from megazero.training.data import DocumentMasks, MicroBatchSource
 from megazero.training.evaluation import TrainerEvaluation
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats
-from megazero.training.lr_schedule import LRScheduler, learning_rates
+from megazero.optim.lr_schedule import LRScheduler, learning_rates
 from megazero.training.moe_log import MoEMetricsLog
 from megazero.training.signals import ExitSignal
 from megazero.zero.norms import params_sq

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megazero.parallel.host_reads import HostReads
 
 from .adam_slices import adam_slice, shard_slices
-from .adamw import adamw_step, sum_of_squares
+from megazero.optim.adamw import adamw_step, sum_of_squares
 from .collectives import Collectives, process_groups
 from .loss_scaler import make_loss_scaler
 from .region import Region
@@ -66,7 +66,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
     The optimizer knows no model: both lists come from the model's ``ModelStages``.
     ``decoupled_weight_decay``: AdamW's decoupled decay (True) or L2 added to the gradient
     before the moments (False: ``torch.optim.Adam(weight_decay=...)``, DeepSpeed's Adam with
-    ``adam_w_mode`` false); see :func:`~megazero.zero.adamw.adamw_step`.
+    ``adam_w_mode`` false); see :func:`~megazero.optim.adamw.adamw_step`.
     ``param_init``/``device``: for chunks built on the meta device (``ModelStages.param_init``),
     each parameter's initial value and where to put it; each region materializes its own
     parameters, so at stage 3 no rank holds more than one unit's full parameters while building

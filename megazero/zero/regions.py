@@ -196,7 +196,7 @@ def build_expert_and_dense(ctx: RegionContext, chunks, trainable, shared_of: dic
     rank's) reduce and shard over the expert-data-parallel group ``edp`` (``topo.edp`` ranks
     holding the same experts) and the rest over DP. Expert regions come first in reduction order
     (their layers' backward ends later, but gradient order only sets when a bucket fills); at
-    stage 3 each expert module (:class:`~megazero.tensor_parallel.expert_comm.ExpertLinear`'s
+    stage 3 each expert module (:class:`~megazero.moe.experts.ExpertLinear`'s
     parent MLP) is a unit of its own, gathered inside its layer's unit."""
     if not expert:
         return build_regions(ctx, chunks, trainable, shared_of, reduce_bucket_size=reduce_bucket_size,

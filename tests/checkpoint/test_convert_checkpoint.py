@@ -68,7 +68,7 @@ def test_hf_import_then_train_in_tp2(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     config, tokenizer = conv.from_hf(str(tmp_path / "hf"), str(tmp_path / "mz"))
     assert tokenizer == {}  # the folder has no tokenizer files
-    from megazero.model.hf import hf_to_full
+    from megazero.checkpoint.convert.hf import hf_to_full
     expected = hf_to_full(hf.state_dict(), config, "llama")
     flags = BASE + conv.pretrain_flags(config).split() + ["--load", str(tmp_path / "mz")] + layout_flags(2, 1, None, 1)
     hist = run(2, flags, save_at_load=str(tmp_path / "tp2"))

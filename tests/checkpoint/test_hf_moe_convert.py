@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megazero.checkpoint.reader import CheckpointReader
-from megazero.model.hf import read_hf_folder
+from megazero.checkpoint.convert.hf import read_hf_folder
 from megazero.testing import run_distributed
 from tests.checkpoint.test_convert_checkpoint import megazero_logits, tool
 from tests.model.test_hf_moe import EOD, VOCAB, mixtral, qwen2_moe

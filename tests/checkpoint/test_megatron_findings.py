@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
-from megazero.checkpoint.megatron import MegatronCheckpoint, config_from_megatron_args, load_megatron_file
+from megazero.checkpoint.convert.megatron import MegatronCheckpoint, config_from_megatron_args, load_megatron_file
 from megazero.checkpoint.schema import CheckpointError
 from tests.checkpoint.megatron_format import write_megatron_checkpoint
 from tests.checkpoint.test_convert_checkpoint import tool

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.checkpoint.megatron import MegatronCheckpoint, megazero_name
+from megazero.checkpoint.convert.megatron import MegatronCheckpoint, megazero_name
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.schema import CheckpointError
 from megazero.model import GPTConfig, GPTModel

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.checkpoint.megatron import MegatronCheckpoint
+from megazero.checkpoint.convert.megatron import MegatronCheckpoint
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.schema import CheckpointError
 from megazero.model import GPTConfig, GPTModel

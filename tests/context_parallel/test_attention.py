@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.model.context_parallel import chunk_ids, positions_for_rank, ring_attention, slice_for_rank, \
+from megazero.context_parallel.attention import chunk_ids, positions_for_rank, ring_attention, slice_for_rank, \
     ulysses_attention
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed

@@ -47,7 +47,7 @@ def _resume(rank, world, data, folder, stage):
 
 
 def test_save_dp2_zero3_load_dp1_zero2_and_dp2_zero3(tmp_path):
-    from megazero.engine.checkpoint import consolidated_state_dict
+    from megazero.checkpoint.engine import consolidated_state_dict
     data = _data(2)
     at_save, want = run_distributed(_save, 2, data, str(tmp_path), timeout_s=120)[0]
     full = consolidated_state_dict(str(tmp_path), "t2")

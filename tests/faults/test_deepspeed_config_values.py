@@ -9,7 +9,7 @@ import pytest
 
 from megazero.arguments import parse_args
 from megazero.config.run_config import lr_config
-from megazero.training.lr_schedule import build_lr_scheduler
+from megazero.optim.lr_schedule import build_lr_scheduler
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8"]
 MB = {"train_micro_batch_size_per_gpu": 1}

@@ -10,7 +10,7 @@ import pytest
 
 from megazero.arguments import parse_args
 from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
-from megazero.training.lr_schedule import LRScheduler
+from megazero.optim.lr_schedule import LRScheduler
 
 BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "10",
         "--micro-batch-size", "1", "--mock-data", "--vocab-size", "64", "--lr", "0.1"]

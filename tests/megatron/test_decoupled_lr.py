@@ -14,7 +14,7 @@ from megazero.model.stages import embedding_and_output_params
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
 from megazero.config.run_config import lr_config
-from megazero.training.lr_schedule import LRScheduler, build_lr_scheduler, learning_rates
+from megazero.optim.lr_schedule import LRScheduler, build_lr_scheduler, learning_rates
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "1", "--global-batch-size", "4", "--mock-data", "--vocab-size", "100",

@@ -56,7 +56,7 @@ def test_flag_reaches_the_config_and_meta_init():
 
 
 def test_hugging_face_mapping_adds_the_one():
-    from megazero.model.hf import full_to_hf, hf_to_full
+    from megazero.checkpoint.convert.hf import full_to_hf, hf_to_full
     cfg = replace_config(config("RMSNorm"), activation="swiglu", add_bias_linear=False)
     full = GPTModel(cfg, device="cpu").full_state_dict()
     hf = full_to_hf(full, cfg, "llama")
@@ -69,7 +69,7 @@ def test_hugging_face_mapping_adds_the_one():
 
 
 def test_megatron_import_keeps_the_flag():
-    from megazero.checkpoint.megatron import config_from_megatron_args
+    from megazero.checkpoint.convert.megatron import config_from_megatron_args
     a = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "padded_vocab_size": 128,
          "apply_layernorm_1p": True}
     assert config_from_megatron_args(a).apply_layernorm_1p

@@ -12,7 +12,7 @@ import pytest
 
 from megazero.arguments import parse_args
 from megazero.config.megatron_flags import megatron_flags
-from megazero.model.moe_config import MOE_ARG_KEYS
+from megazero.moe.config import MOE_ARG_KEYS
 from megazero.training.build import build_configs
 
 ROOT = Path(__file__).resolve().parents[2]

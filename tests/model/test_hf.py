@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megazero.model import GPTModel  # noqa: E402
-from megazero.model.hf import config_from_hf, load_hf, read_hf_folder, to_hf_state_dict  # noqa: E402
+from megazero.checkpoint.convert.hf import config_from_hf, load_hf, read_hf_folder, to_hf_state_dict  # noqa: E402
 from megazero.tensor_parallel import gather_from_tp_region  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402

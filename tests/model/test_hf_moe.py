@@ -11,9 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megazero.model import GPTModel  # noqa: E402
-from megazero.model.generation import generate  # noqa: E402
-from megazero.model.hf import config_from_hf, hf_config_of, load_hf, to_hf_state_dict  # noqa: E402
-from megazero.model.hf_moe import unfuse_experts  # noqa: E402
+from megazero.inference.generation import generate  # noqa: E402
+from megazero.checkpoint.convert.hf import config_from_hf, hf_config_of, load_hf, to_hf_state_dict  # noqa: E402
+from megazero.checkpoint.convert.hf_moe import unfuse_experts  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
 from megazero.tensor_parallel import gather_from_tp_region  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402

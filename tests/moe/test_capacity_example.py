@@ -2,8 +2,8 @@
 
 import torch
 
-from megazero.model.moe_config import MoEConfig
-from megazero.model.moe_router import drop_over_capacity
+from megazero.moe.config import MoEConfig
+from megazero.moe.router import drop_over_capacity
 
 # T 6 tokens, E 3 experts, top-2 weights (rows: tokens t0..t5)
 PROBS = torch.tensor([[0.7, 0.3, 0.0], [0.6, 0.0, 0.4], [0.55, 0.45, 0.0], [0.9, 0.0, 0.1], [0.65, 0.35, 0.0],

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from megazero.model import GPTModel
-from megazero.model.moe_config import MoEConfig, layer_pattern
-from megazero.model.moe_router import drop_over_capacity, route
+from megazero.moe.config import MoEConfig, layer_pattern
+from megazero.moe.router import drop_over_capacity, route
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
 from tests.moe.helpers import moe_config

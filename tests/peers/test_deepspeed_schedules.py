@@ -12,7 +12,7 @@ from deepspeed.runtime import lr_schedules
 
 from megazero.arguments import parse_args
 from megazero.config.run_config import lr_config
-from megazero.training.lr_schedule import build_lr_scheduler
+from megazero.optim.lr_schedule import build_lr_scheduler
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8"]
 OPT_LR = 0.02  # optimizer.params.lr: the optimizer's lr DeepSpeed's schedulers see

@@ -14,7 +14,7 @@ from megazero.arguments import parse_args
 from megazero.config.optimizer import OptimizerConfig
 from megazero.config.run_config import lr_config
 from megazero.parallel.topology import Topology
-from megazero.training.lr_schedule import build_lr_scheduler
+from megazero.optim.lr_schedule import build_lr_scheduler
 from megazero.zero import ZeroOptimizer
 from tests.zero.common import Net, batches
 

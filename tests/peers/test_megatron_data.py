@@ -61,7 +61,7 @@ def test_megazero_builder_read_by_megatron(tmp_path):
 def test_allow_list_covers_megatrons_safe_globals():
     from megatron.core.safe_globals import SAFE_GLOBALS
 
-    from megazero.checkpoint.megatron_pickle import ALLOWED
+    from megazero.checkpoint.convert.megatron_pickle import ALLOWED
     names = {f"{c.__module__}.{c.__qualname__}" for c in SAFE_GLOBALS}
     foreign = {n for n in names if not n.startswith("megatron.")}
     assert foreign <= set(ALLOWED), foreign - set(ALLOWED)

@@ -16,9 +16,9 @@ from megazero.model.config import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.config.model import gpt_config
 from megazero.config.run_config import lr_config
-from megazero.training.lr_schedule import DeepSpeedLRScheduler, build_lr_scheduler
+from megazero.optim.lr_schedule import DeepSpeedLRScheduler, build_lr_scheduler
 from megazero.zero import DynamicLossScaler, ZeroOptimizer, find_units
-from megazero.zero.adamw import adamw_step
+from megazero.optim.adamw import adamw_step
 from megazero.zero.regions import buckets as _buckets
 
 from .common import Net, batches, launch, max_rel, reference

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megazero.tensor_parallel.mappings import group_size
 
-from .inference import InferenceCache
+from .cache import InferenceCache
 
 
 @dataclass

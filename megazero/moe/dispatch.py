@@ -29,7 +29,7 @@ import torch
 
 from megazero.tensor_parallel import (all_gather_dim0, gather_from_sequence_parallel_region,
                                       reduce_scatter_to_sequence_parallel_region)
-from megazero.tensor_parallel.expert_comm import (all_gather_v, all_to_all, exchange_counts, reduce_scatter_v)
+from megazero.parallel.exchange import all_gather_v, all_to_all, exchange_counts, reduce_scatter_v
 from megazero.tensor_parallel.mappings import group_size
 
 

@@ -1,7 +1,7 @@
 """An MoE GPT's memory and communication by formula: the planner's expert arithmetic.
 
 Pure arithmetic on a :class:`~megazero.model.config.GPTConfig` whose ``moe`` is set (no process
-group, no tensors); :mod:`megazero.model.memory` counts the parameters and calls these for the
+group, no tensors); :mod:`megazero.planner.memory` counts the parameters and calls these for the
 activations and the dispatcher. ``E`` experts of FFN size ``f`` (``u = 2 f`` with SwiGLU, else
 ``f``), top ``k``, hidden ``h``; a rank holds ``T = s b / TP`` tokens when it enters the MoE block
 (sequence parallelism splits them over TP; without SP the block splits them itself).
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 
-from .config import GPTConfig
+from megazero.model.config import GPTConfig
 
 
 def expert_data_parallel(tp: int, dp: int, ep: int, etp: int, cp: int = 1) -> int:

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from .config import GPTConfig
+from megazero.model.config import GPTConfig
 from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
                      moe_layer_map, unfuse_experts)
 

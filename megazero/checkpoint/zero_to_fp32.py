@@ -1,6 +1,6 @@
 """Consolidate an engine checkpoint into one fp32 state dict (DeepSpeed's ``zero_to_fp32.py``).
 
-    python -m megazero.engine.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag TAG]
+    python -m megazero.checkpoint.zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag TAG]
 
 Reads every rank's shards (any DP size, any ZeRO stage) in one process on the CPU and writes
 ``torch.save`` of ``{name: fp32 tensor}`` (tied parameters under each of their names, and the
@@ -15,11 +15,11 @@ import sys
 
 import torch
 
-from .checkpoint import consolidated_state_dict
+from .engine import consolidated_state_dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megazero.engine.zero_to_fp32", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megazero.checkpoint.zero_to_fp32", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="the folder given to engine.save_checkpoint")
     p.add_argument("output_file")
     p.add_argument("--tag", default=None, help="default: the tag in CHECKPOINT_DIR/latest")

@@ -36,7 +36,7 @@ from torch import nn
 from megazero.tensor_parallel import copy_to_tp_region, seeded_normal
 from megazero.tensor_parallel.mappings import group_size, reduce_from_tp_region
 
-from .moe_config import MoEConfig
+from .config import MoEConfig
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 

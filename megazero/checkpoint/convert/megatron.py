@@ -2,7 +2,7 @@
 
 Facts read from NVIDIA/Megatron-LM, tag ``core_v0.13.0``, and checked against megatron-core
 0.16.1 itself (mcore keys, TP/PP/VP layout, QKV and SwiGLU order: tests/peers/, ``make peers``;
-the file's pickled globals: :mod:`megazero.checkpoint.megatron_pickle`):
+the file's pickled globals: :mod:`megazero.checkpoint.convert.megatron_pickle`):
 
 * Layout (``megatron/training/checkpointing.py``: ``get_checkpoint_name``, ``read_metadata``,
   ``generate_state_dict``): ``DIR/latest_checkpointed_iteration.txt`` holds the iteration or the
@@ -37,7 +37,7 @@ the file's pickled globals: :mod:`megazero.checkpoint.megatron_pickle`):
   layers and norms are replicated. Vocabulary rows are padded (``padded_vocab_size``).
 * MoE (mcore): expert-parallel rank folders ``mp_rank_TT[_PPP]_EEE``, router, routed experts in
   the sequential, TE-grouped and legacy grouped layouts, shared experts:
-  :mod:`megazero.checkpoint.megatron_moe`.
+  :mod:`megazero.checkpoint.convert.megatron_moe`.
 
 Only the weights are read (``optimizer``, RNG and scheduler state are ignored): the converted
 checkpoint starts a fresh optimizer.
@@ -49,8 +49,8 @@ import re
 
 import torch
 
-from megazero.checkpoint import megatron_moe as moe
-from megazero.checkpoint.megatron_pickle import load_megatron_file
+from megazero.checkpoint.convert import megatron_moe as moe
+from megazero.checkpoint.convert.megatron_pickle import load_megatron_file
 from megazero.checkpoint.schema import CheckpointError, iteration_dir
 from megazero.model.config import GPTConfig
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.tensor_parallel.expert_comm import all_to_all
+from megazero.parallel.exchange import all_to_all
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:

@@ -37,7 +37,7 @@ import re
 import torch
 
 from megazero.checkpoint.schema import CheckpointError
-from megazero.model.moe_config import MOE_ARG_KEYS
+from megazero.moe.config import MOE_ARG_KEYS
 
 MOE_KEY = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(router|experts|shared_experts)\.(.+)$")
 SEQUENTIAL = re.compile(r"^local_experts\.(\d+)\.linear_(fc[12])\.weight$")
@@ -158,10 +158,10 @@ def mlp_suffix(suffix: str) -> str:
 
 
 def moe_flags(moe) -> list[str]:
-    """Megatron's MoE flags for a :class:`~megazero.model.moe_config.MoEConfig` (what an imported
+    """Megatron's MoE flags for a :class:`~megazero.moe.config.MoEConfig` (what an imported
     checkpoint trains with): expert count and size, top-k and layer pattern (``1`` when every
     layer is MoE, else the quoted list), then every other setting that differs from the default."""
-    from megazero.model.moe_config import MoEConfig
+    from megazero.moe.config import MoEConfig
     default = MoEConfig(num_experts=moe.num_experts, ffn_hidden_size=moe.ffn_hidden_size,
                         layer_pattern=moe.layer_pattern).to_args()
     freq = "1" if all(moe.layer_pattern) else "'[" + ",".join(str(v) for v in moe.layer_pattern) + "]'"

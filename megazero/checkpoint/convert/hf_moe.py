@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megazero.tensor_parallel.mappings import group_rank, group_size
 
-from .moe_config import MoEConfig
+from megazero.moe.config import MoEConfig
 
 MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 

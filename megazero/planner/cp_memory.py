@@ -1,5 +1,5 @@
 """Per-layer activations by formula, and what context parallelism changes in a layout's memory and
-communication (the planner's arithmetic; :mod:`megazero.model.memory` composes them; docs/plan.md).
+communication (the planner's arithmetic; :mod:`megazero.planner.memory` composes them; docs/plan.md).
 
 Pure arithmetic on a :class:`~megazero.model.config.GPTConfig` and sizes: no process group, no
 tensors.
@@ -13,7 +13,7 @@ layer keeps for one micro-batch of ``s`` tokens, ``b`` micro-batch, ``h`` hidden
     full           2 s b h (/t with SP) per recomputed block, plus one block's activations while
                    it is recomputed (:func:`chunk_activation_bytes`)
 
-**Context parallelism** (``CP`` ranks, :mod:`megazero.model.context_parallel`). A rank holds
+**Context parallelism** (``CP`` ranks, :mod:`megazero.context_parallel.attention`). A rank holds
 ``s' = s / CP`` tokens of each sequence, so every per-token figure -- the layers' activations,
 the embedding's masks, the logits, the TP, PP and expert-dispatch traffic -- is the CP 1 figure
 at ``s'``. The attention (CP needs attention dropout 0) keeps no ``a s^2`` scores, whether the
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 
-from .config import GPTConfig, replace_config
+from megazero.model.config import GPTConfig, replace_config
 
 ACC_BYTES = 4        # the ring's accumulation dtype: fp32
 RING_ROWS = 12       # fp32 [b, a/t, s', d] tensors the ring's backward holds at once (module doc)

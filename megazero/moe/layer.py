@@ -2,8 +2,8 @@
 
 ``MoELayer(x)`` for the ``[s, b, h]`` (``[s/p, b, h]`` under SP) input of the MLP::
 
-    probs, map = Router(x)                                    # megazero.model.moe_router
-    y = dispatch(x, probs, map, experts)                      # megazero.model.moe_dispatch
+    probs, map = Router(x)                                    # megazero.moe.router
+    y = dispatch(x, probs, map, experts)                      # megazero.moe.dispatch
     y = y + sigmoid(x g^T) * Shared(x)                        # shared expert (gate optional)
 
 Parameters, under global names like every other weight (drawn whole from (seed, name)):
@@ -11,7 +11,7 @@ Parameters, under global names like every other weight (drawn whole from (seed, 
 ``layers.N.mlp.experts.e.fc1.weight`` ``[2f, h]`` (SwiGLU gate; up) or ``[f, h]`` and
 ``layers.N.mlp.experts.e.fc2.weight`` ``[h, f]`` -- held only by the EP rank owning ``e``
 (experts ``[r E/EP, (r+1) E/EP)`` on EP rank ``r``), split over the expert-TP group
-(:class:`~megazero.tensor_parallel.expert_comm.ExpertLinear`); the shared expert
+(:class:`~megazero.moe.experts.ExpertLinear`); the shared expert
 ``layers.N.mlp.shared_expert.fc1/fc2.weight`` (an MLP of ``shared_expert_intermediate_size``
 over TP) and ``layers.N.mlp.shared_expert_gate.weight`` ``[1, h]``. With ``--moe-grouped-gemm``
 the experts run the same path: one matmul pair per local expert on its contiguous rows.
@@ -26,7 +26,6 @@ current step, the per-layer metric sums, and the expert-bias update.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +33,11 @@ from torch import nn
 
 from megazero.tensor_parallel import (copy_to_tp_region, gather_from_sequence_parallel_region,
                                       scatter_to_sequence_parallel_region, seeded_normal)
-from megazero.tensor_parallel.expert_comm import ExpertLinear
 from megazero.tensor_parallel.mappings import group_size
 
-from .moe_dispatch import allgather_dispatch, alltoall_dispatch
-from .moe_router import Router
-from .transformer import MLP, activate
+from .dispatch import allgather_dispatch, alltoall_dispatch
+from .experts import ExpertMLP
+from .router import Router
 
 class MoEState:
     """Shared by the routers of one rank's model chunks: ``aux_scale`` (the gradient every aux
@@ -100,29 +98,6 @@ class MoEState:
             r.tokens_per_expert.zero_()
 
 
-class ExpertMLP(nn.Module):
-    """Routed expert ``e`` of layer ``n``: ``fc2(act(fc1 x))``, weights split over expert TP
-    (fc1's rows, in gate/up blocks for SwiGLU; fc2's columns): its output is this rank's
-    partial sum over the expert-TP group."""
-
-    def __init__(self, config, layer_number: int, expert: int, etp_group, device):
-        super().__init__()
-        f, h, std, seed = config.moe.ffn_hidden_size, config.hidden_size, config.init_method_std, config.seed
-        key, self.swiglu = f"layers.{layer_number}.mlp.experts.{expert}", config.activation == "swiglu"
-        self.activation = config.activation
-        self.fc1 = ExpertLinear(h, 2 * f if self.swiglu else f, etp_group, dim=0,
-                                partition_sizes=[f, f] if self.swiglu else None,
-                                init_method=seeded_normal(std, seed, f"{key}.fc1.weight"),
-                                params_dtype=config.params_dtype, device=device)
-        self.fc2 = ExpertLinear(f, h, etp_group, dim=1,
-                                init_method=seeded_normal(std / math.sqrt(2 * config.num_layers), seed,
-                                                          f"{key}.fc2.weight"),
-                                params_dtype=config.params_dtype, device=device)
-
-    def forward(self, x):
-        return self.fc2(activate(self.fc1(x), self.activation))
-
-
 class SharedExpertGate(nn.Module):
     """``w_g`` (``[1, h]``, replicated): the shared expert is scaled by ``sigmoid(x w_g^T)``."""
 
@@ -143,7 +118,10 @@ class SharedExpertGate(nn.Module):
 class MoELayer(nn.Module):
     """See the module doc. ``forward(x) -> (y, None)`` like the dense MLP (no output bias)."""
 
-    def __init__(self, config, layer_number: int, topo, tracker, state: MoEState, device, buffer_device):
+    def __init__(self, config, layer_number: int, topo, tracker, state: MoEState, device, buffer_device,
+                 shared_expert: nn.Module | None = None):
+        """``shared_expert``: the model's dense MLP of ``shared_expert_intermediate_size`` over TP,
+        built by the model (its ``forward(x) -> (y, bias)``); required when the config has one."""
         super().__init__()
         moe = config.moe
         self.moe, self.layer_number = moe, layer_number
@@ -165,10 +143,11 @@ class MoELayer(nn.Module):
         self.experts = nn.ModuleDict({str(e): ExpertMLP(config, layer_number, e, self.etp_group, device)
                                       for e in range(*self.local)})
         self.shared_expert = self.shared_expert_gate = None
-        if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config, layer_number, self.tp_group, device,
-                                     ffn_hidden_size=moe.shared_expert_intermediate_size,
-                                     key=f"layers.{layer_number}.mlp.shared_expert")
+        if bool(moe.shared_expert_intermediate_size) != (shared_expert is not None):
+            raise ValueError(f"layer {layer_number}: the config's shared expert size is "
+                             f"{moe.shared_expert_intermediate_size} but shared_expert is {shared_expert!r}")
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
             if moe.shared_expert_gate:
                 self.shared_expert_gate = SharedExpertGate(config, layer_number, device)
         self.stats: dict = {}

@@ -22,11 +22,11 @@ with --bf16, fp32 or --accumulate-allreduce-grads-in-fp32, else 2), 12 (fp32 mas
 Expert states are the same with Φ_e and N = EDP = TP CP DP / (ETP EP) (the expert-DP group).
 
 **Activations** per layer and micro-batch: Korthikanti et al. 2022's figures
-(:mod:`megazero.model.cp_memory`); a flash or fused attention kernel keeps no ``5 a s^2 b`` scores. **Context parallelism** (CP ranks): s is a rank's ``s / CP``
+(:mod:`megazero.planner.cp_memory`); a flash or fused attention kernel keeps no ``5 a s^2 b`` scores. **Context parallelism** (CP ranks): s is a rank's ``s / CP``
 tokens in every formula here; the CP attention keeps no ``a s^2`` scores but its output and
-log-sum-exp, and the ring adds its fp32 working set as a transient (:mod:`~megazero.model.cp_memory`).
+log-sum-exp, and the ring adds its fp32 working set as a transient (:mod:`~megazero.planner.cp_memory`).
 An MoE layer keeps its routed rows instead of the dense MLP's share
-(:mod:`megazero.model.expert_memory`). A pipeline rank r holds ``in_flight(r)`` chunk-activations
+(:mod:`megazero.planner.expert_memory`). A pipeline rank r holds ``in_flight(r)`` chunk-activations
 (:func:`megazero.pipeline.plan.in_flight_bound`: ``min(PP - r, M)`` with 1F1B,
 ``min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP)`` interleaved, 1 without pipelining); the first
 stage adds the embedding dropout mask ``s b h`` (/t with SP) per in-flight micro-batch, the last
@@ -40,8 +40,8 @@ stage adds the embedding dropout mask ``s b h`` (/t with SP) per in-flight micro
     TP  per micro-batch and layer 4 AR(s b h A) (6 with full recompute; SP's AG/RS pairs are equal;
         an MoE layer without a shared expert: the attention's half)
     PP  per micro-batch 2 VP s b h A (/t with SP): activations forward, gradients backward
-    EP  per micro-batch and MoE layer: the dispatcher's (:mod:`megazero.model.expert_memory`)
-    CP  per micro-batch and layer: the ring's K/V (dK/dV) or the all-to-alls (:mod:`~megazero.model.cp_memory`)
+    EP  per micro-batch and MoE layer: the dispatcher's (:mod:`megazero.planner.expert_memory`)
+    CP  per micro-batch and layer: the ring's K/V (dK/dV) or the all-to-alls (:mod:`~megazero.planner.cp_memory`)
 
 (A = activation bytes, 2 or 4.) A layout's figures are those of its most loaded pipeline stage
 (largest total memory). Not counted: CUDA context and allocator fragmentation, communication
@@ -277,7 +277,7 @@ def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_ba
     False: a flash/fused attention kernel keeps no ``5 a s^2 b`` scores (the selective figure). MoE: ``ep``
     experts-parallel ranks, ``etp`` expert TP (None: TP); expert states over EDP = TP CP DP / (ETP EP).
     ``cp``: context-parallel ranks (``shape.cp_comm_type``), ``dp`` excluding them; ``ValueError``
-    unless they can split the sequence (:func:`~megazero.model.cp_memory.check_cp_layout`)."""
+    unless they can split the sequence (:func:`~megazero.planner.cp_memory.check_cp_layout`)."""
     check_cp_layout(shape, cp, tp, sequence_parallel)
     etp = tp if etp is None else etp
     edp = expert_data_parallel(tp, dp, ep, etp, cp)

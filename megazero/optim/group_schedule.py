@@ -2,13 +2,13 @@
 
 DeepSpeed's WarmupLR / WarmupDecayLR write one rate into every param group; WarmupCosineLR
 scales each group's initial rate by the schedule's ratio (deepspeed/runtime/lr_schedules.py,
-0.19.8). The rate after ``n`` optimizer steps is :class:`~megazero.training.lr_schedule.
+0.19.8). The rate after ``n`` optimizer steps is :class:`~megazero.optim.lr_schedule.
 DeepSpeedLRScheduler`'s (the same function ``pretrain_gpt.py --deepspeed-config`` uses).
 """
 
 from __future__ import annotations
 
-from megazero.training.lr_schedule import DeepSpeedLRScheduler
+from megazero.optim.lr_schedule import DeepSpeedLRScheduler
 
 
 class GroupLRScheduler:

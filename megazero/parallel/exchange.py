@@ -1,4 +1,4 @@
-"""Variable-size collectives for MoE token dispatch, each with its autograd inverse.
+"""Variable-size collectives (MoE token dispatch, all-to-all attention), each with its autograd inverse.
 
 Token counts differ per rank and per expert, so the dispatchers move rows with per-peer split
 sizes (lists of row counts, in group-rank order, known on every rank of the exchange):
@@ -16,17 +16,16 @@ gloo has no variable-size all-gather or reduce-scatter: all-gather pads every bl
 largest, reduce-scatter is an all-reduce and a slice (the ``all_reduce+slice`` fallback the TP
 mappings use, :mod:`megazero.parallel.primitives`).
 
-:class:`ExpertLinear` is a routed expert's weight, split over the expert-TP group.
+Used by the MoE dispatchers (:mod:`megazero.moe.dispatch`) and by context parallelism's
+all-to-all attention (:mod:`megazero.context_parallel.attention`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .layers import TPLayer
-from .mappings import group_rank, group_size
+from .primitives import group_rank, group_size
 
 
 def _all_to_all_raw(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
@@ -114,29 +113,3 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
-
-
-class ExpertLinear(TPLayer):
-    """``Y = X W^T`` for one routed expert, ``W`` (``[out, in]``) split over the expert-TP
-    group along ``dim`` (0: output rows in logical blocks ``partition_sizes``, as a column-parallel
-    linear; 1: input columns, as a row-parallel one) by :mod:`.spec`'s rule. No collective: the
-    dispatcher gathers the tokens before and reduce-scatters the partial outputs after."""
-
-    expert_parallel = True  # its parameter belongs to one EP rank, reduced over expert-DP
-
-    def __init__(self, in_features: int, out_features: int, etp_group, *, dim: int, partition_sizes=None,
-                 init_method=None, params_dtype=torch.float32, device=None):
-        super().__init__()
-        self.tp_group = etp_group
-        self.partitions = {"weight": (dim, partition_sizes if dim == 0 else None, None)}
-        self.param_inits = {}
-        shape = (out_features, in_features)
-
-        def full() -> torch.Tensor:
-            w = torch.empty(shape, dtype=torch.float32)
-            init_method(w)
-            return w
-        self.weight = self._make("weight", shape, full, params_dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)

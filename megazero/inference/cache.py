@@ -20,7 +20,7 @@ empty support and no NaN can reach the cache). Without padding the mask is SDPA'
 ``is_causal`` on the prefill (``offset == 0``) and nothing at all for later steps, where every
 cached key precedes the query.
 
-Usage (``megazero.model.generation`` drives this)::
+Usage (``megazero.inference.generation`` drives this)::
 
     cache = InferenceCache(batch, max_len)
     pos = cache.prepare(valid)            # valid [b, s] bool for the tokens about to be fed
