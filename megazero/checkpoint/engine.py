@@ -10,6 +10,16 @@ Layout of ``{dir}/{tag}/`` (``{dir}/latest`` holds the last tag, as DeepSpeed wr
     module_buffers.pt       rank 0: the module's persistent buffers (state_dict minus parameters)
     client_state.pt         rank 0: LR scheduler state and the caller's ``client_state``
 
+Saving is crash-safe as the trainer's (:mod:`megazero.checkpoint.files`): every rank writes into
+``{dir}/{tag}.tmp/`` (each file through a ``.partial`` name), the ranks agree that every file was
+written, and only then does rank 0 write ``engine_meta.json``, publish the folder as ``{tag}/``
+(an existing one swapped out after) and rewrite ``latest``. A failed or killed save leaves the
+previous checkpoint and ``latest`` as they were, and raises :class:`CheckpointError` on every rank
+naming the rank, the file and the cause.
+
+Versioning: ``engine_meta.json``'s ``format`` is ``megazero-engine-N`` (:data:`VERSION`); versions
+in :data:`READABLE_VERSIONS` load, a newer one is refused by its number instead of misread.
+
 Nothing is gathered to save: each rank writes what it owns (at stage 3 the masters are the
 parameters' only full-precision copy). Loading maps every parameter element to the saved shard
 that holds it (each parameter is ``[offset, offset + numel)`` of its region; a rank's shard is
@@ -22,14 +32,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import reshard
+from megazero.checkpoint.files import agree_on_writes, atomic_write_text, replace_folder, write_file
+from megazero.checkpoint.schema import CheckpointError
 
-FORMAT = "megazero-engine-1"
+FORMAT_NAME = "megazero-engine"
+VERSION = 1
+READABLE_VERSIONS = (1,)
+FORMAT = f"{FORMAT_NAME}-{VERSION}"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+META = "engine_meta.json"
 
 
 def _rank_file(folder: str, r: int) -> str:
@@ -54,34 +71,46 @@ def persistent_buffers(module) -> dict:
     return {name: buf.detach().cpu().clone() for _, name, buf in reshard.persistent_buffers([module])}
 
 
+def _meta(engine, aliases: dict) -> dict:
+    return {"format": FORMAT, "dp": engine.topo.dp, "stage": engine.config.stage,
+            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
+            "params": {n: list(p.shape) for n, p in engine.module.named_parameters()}, "aliases": aliases}
+
+
 def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> str:
-    """Write this rank's part (collective: every rank calls it). Returns the folder."""
-    folder = os.path.join(save_dir, str(tag))
-    os.makedirs(folder, exist_ok=True)
+    """Write this rank's part (collective: every rank calls it), crash-safe (module doc).
+    Returns the folder."""
+    final = os.path.join(save_dir, str(tag))
+    tmp, rank = final + ".tmp", engine.topo.rank
     zero, module = engine.zero, engine.module
     zero.wait_params()
     name_of, aliases = names(module)
-    torch.save({"layout": zero.layout(name_of), "shards": [r.shard_state(copy=False) for r in zero.regions],
-                "counters": zero.state_dict(shards=False)}, _rank_file(folder, engine.topo.rank))
-    if engine.topo.rank == 0:
-        params = dict(module.named_parameters())
-        buffers = persistent_buffers(module)
-        torch.save(buffers, os.path.join(folder, "module_buffers.pt"))
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    error = write_file({"layout": zero.layout(name_of), "shards": [r.shard_state(copy=False) for r in zero.regions],
+                        "counters": zero.state_dict(shards=False)}, _rank_file(tmp, rank), tmp)
+    if rank == 0 and error is None:
         sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        torch.save({"lr_scheduler": sched, "client_state": client_state or {}},
-                   os.path.join(folder, "client_state.pt"))
-        meta = {"format": FORMAT, "dp": engine.topo.dp, "stage": engine.config.stage,
-                "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
-                "params": {n: list(p.shape) for n, p in params.items()}, "aliases": aliases}
-        with open(os.path.join(folder, "engine_meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        error = (write_file(persistent_buffers(module), os.path.join(tmp, "module_buffers.pt"), tmp)
+                 or write_file({"lr_scheduler": sched, "client_state": client_state or {}},
+                               os.path.join(tmp, "client_state.pt"), tmp))
+    agree_on_writes(error, rank, tmp, f"engine.save_checkpoint {final}",
+                    f"{os.path.join(save_dir, 'latest')} and any earlier {final} are as they were")
+    if rank == 0:
+        atomic_write_text(os.path.join(tmp, META), json.dumps(_meta(engine, aliases), indent=1))
+        replace_folder(tmp, final)
+        atomic_write_text(os.path.join(save_dir, "latest"), str(tag))
     dist.barrier()
-    if engine.topo.rank == 0:
-        with open(os.path.join(save_dir, "latest"), "w") as f:
-            f.write(str(tag))
-    dist.barrier()
-    return folder
+    return final
+
+
+def _version(fmt) -> int | None:
+    name, _, number = str(fmt).rpartition("-")
+    return int(number) if name == FORMAT_NAME and number.isdigit() else None
 
 
 def resolve(load_dir: str, tag: str | None) -> tuple[str, dict]:
@@ -93,14 +122,29 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, dict]:
         with open(latest) as f:
             tag = f.read().strip()
     folder = os.path.join(load_dir, str(tag))
-    path = os.path.join(folder, "engine_meta.json")
+    path = os.path.join(folder, META)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"engine.load_checkpoint: {path} not found (not a megazero engine checkpoint)")
     with open(path) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT:
+    version = _version(meta.get("format"))
+    if version is None:
         raise ValueError(f"engine.load_checkpoint: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"engine.load_checkpoint: {path} is engine format version {version}; this megazero reads "
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}: load it with the release that wrote it")
     return folder, meta
+
+
+def _load(path: str, mmap: bool = False):
+    """One file of an engine checkpoint, ``weights_only``; a missing or unreadable one raises
+    :class:`CheckpointError` naming it."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"engine.load_checkpoint: {path} is missing") from None
+    except Exception as e:  # truncated zip, bad pickle, disallowed global
+        raise CheckpointError(f"engine.load_checkpoint: {path} cannot be read ({type(e).__name__}: {e})") from None
 
 
 class SavedShards:
@@ -109,8 +153,7 @@ class SavedShards:
     rank's region shard."""
 
     def __init__(self, folder: str, dp: int):
-        self.files = [torch.load(_rank_file(folder, r), map_location="cpu", mmap=True, weights_only=True)
-                      for r in range(dp)]
+        self.files = [_load(_rank_file(folder, r), mmap=True) for r in range(dp)]
         self.pieces: dict[str, list] = {}
         for r, saved in enumerate(self.files):
             for k, region in enumerate(saved["layout"]):
@@ -160,11 +203,11 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     zero.load_param_ranges(fetch, kinds)
     if load_optimizer_states:
         zero.load_counters(saved.files[0]["counters"])
-    buffers = torch.load(os.path.join(folder, "module_buffers.pt"), map_location="cpu", weights_only=True)
+    buffers = _load(os.path.join(folder, "module_buffers.pt"))
     with torch.no_grad():  # set in place: a module load_state_dict would re-read (round) the masters
         for key, value in buffers.items():
             module.get_buffer(key).copy_(value)
-    extra = torch.load(os.path.join(folder, "client_state.pt"), weights_only=True)
+    extra = _load(os.path.join(folder, "client_state.pt"))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
     for key in ("global_steps", "micro_steps", "skipped_steps", "global_samples"):
@@ -180,5 +223,5 @@ def consolidated_state_dict(load_dir: str, tag: str | None = None) -> dict:
     out = {name: saved.full(name, shape).clone() for name, shape in meta["params"].items()}
     for alias, name in meta["aliases"].items():
         out[alias] = out[name]
-    out.update(torch.load(os.path.join(folder, "module_buffers.pt"), map_location="cpu", weights_only=True))
+    out.update(_load(os.path.join(folder, "module_buffers.pt")))
     return out

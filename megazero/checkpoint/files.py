@@ -40,7 +40,9 @@ def _barrier():
         dist.barrier()
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str) -> None:
+    """``path`` holds ``text`` or its previous content, never a part: written beside it, synced,
+    then renamed over it."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -80,14 +82,9 @@ class PendingSave:
 
     def _write(self) -> None:
         path = rank_file(self.tmp, self.rank)
-        partial = path + ".partial"
-        try:  # through a Python file: a failed write raises OSError with its errno (ENOSPC, EFBIG, ...)
-            with open(partial, "wb") as fh:
-                torch.save(self.state, fh)
-            os.replace(partial, path)
-            self.bytes_written = os.path.getsize(path)
-        except BaseException as e:  # reported by finish(), on every rank: the file and the cause
-            self.error = f"{describe(e, default_file=partial)}{space_hint(self.tmp)}"
+        try:
+            self.error = write_file(self.state, path, self.tmp)
+            self.bytes_written = 0 if self.error else os.path.getsize(path)
         finally:
             self.state = None  # the host tensors go as soon as they are written
 
@@ -113,26 +110,48 @@ class PendingSave:
         if self.writer is not None:
             self.error, self.bytes_written = self.writer.wait()
             self.writer = None
-        errors = [self.error]
-        if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, self.error)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-        if failed:
-            if self.rank == 0:  # free the space of the partial files (a full disk) at once
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            raise CheckpointError(f"saving {self.final} failed ({'; '.join(failed)}); "
-                                  f"{latest_file(self.root)} still names the previous checkpoint")
+        agree_on_writes(self.error, self.rank, self.tmp, f"saving {self.final}",
+                         f"{latest_file(self.root)} still names the previous checkpoint")
         if self.rank == 0:
             _publish(self.root, self.iteration, self.tmp, self.final, self.metadata)
         _barrier()
         return self.final
 
 
-def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) -> None:
-    """Rank 0, after every rank's file is in ``tmp``: metadata, rename, then the pointer."""
-    _atomic_write_text(metadata_file(tmp), json.dumps(metadata, indent=1, sort_keys=True))
-    if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap, then drop the old
+def write_file(state, path: str, folder: str) -> str | None:
+    """``torch.save(state)`` to ``path`` through ``path.partial`` (a crash leaves no half file under
+    the final name); the failure as one line naming the file and cause (and the free space of
+    ``folder``), or None."""
+    partial = path + ".partial"
+    try:  # through a Python file: a failed write raises OSError with its errno (ENOSPC, EFBIG, ...)
+        with open(partial, "wb") as fh:
+            torch.save(state, fh)
+        os.replace(partial, path)
+        return None
+    except BaseException as e:  # reported on every rank by agree_on_writes: the file and the cause
+        text = describe(e, default_file=partial)
+        return f"{text if partial in text else f'{path}: {text}'}{space_hint(folder)}"
+
+
+def agree_on_writes(error: str | None, rank: int, tmp: str, what: str, kept: str) -> None:
+    """Collective: every rank's write error; any failure raises :class:`CheckpointError` on every
+    rank naming each (``what`` failed, ``kept`` says what is left as it was), after rank 0 removed
+    the temporary folder ``tmp`` (the space of a full disk comes back at once)."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{what} failed ({'; '.join(failed)}); {kept}")
+
+
+def replace_folder(tmp: str, final: str) -> None:
+    """Publish the complete folder ``tmp`` as ``final``; an existing ``final`` (re-saving the same
+    iteration or tag) is swapped out first and removed only after the new one is in place."""
+    if os.path.exists(final):
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -140,7 +159,13 @@ def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) ->
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _atomic_write_text(latest_file(root), f"{iteration}\n")
+
+
+def _publish(root: str, iteration: int, tmp: str, final: str, metadata: dict) -> None:
+    """Rank 0, after every rank's file is in ``tmp``: metadata, rename, then the pointer."""
+    atomic_write_text(metadata_file(tmp), json.dumps(metadata, indent=1, sort_keys=True))
+    replace_folder(tmp, final)
+    atomic_write_text(latest_file(root), f"{iteration}\n")
     for stale in glob.glob(iteration_glob(root, ".tmp")) + glob.glob(iteration_glob(root, ".old")):
         shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-save; published now, so safe
 
