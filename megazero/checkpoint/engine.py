@@ -4,6 +4,7 @@ consolidated into one fp32 state dict (what DeepSpeed users get from ``zero_to_f
 Layout of ``{dir}/{tag}/`` (``{dir}/latest`` holds the last tag, as DeepSpeed writes it)::
 
     engine_meta.json        rank 0: DP size, stage, engine counters, parameter names/shapes, aliases
+                            (``micro_steps`` is written but not read back: :func:`resumed_micro_steps`)
     zero_rank_{r:05d}.pt    rank r: its regions' layout ([name, offset, numel], padded, shard_lo,
                             shard_len) and its fp32 master / exp_avg / exp_avg_sq shards, the
                             ZeRO counters and loss scaler
@@ -210,9 +211,25 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
     extra = _load(os.path.join(folder, "client_state.pt"))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and extra["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-    for key in ("global_steps", "micro_steps", "skipped_steps", "global_samples"):
+    for key in ("global_steps", "skipped_steps", "global_samples"):
         setattr(engine, key, meta[key])
+    engine.micro_steps = resumed_micro_steps(meta["global_steps"], engine.gradient_accumulation_steps())
     return folder, extra["client_state"]
+
+
+def resumed_micro_steps(global_steps: int, gas: int) -> int:
+    """The engine's micro-step counter after a load: ``global_steps * gas`` with this run's ``gas``.
+
+    The boundary test is ``(micro_steps + 1) % gas == 0``, so the first optimizer step after the
+    load comes after ``gas`` micro-batches, as at every step of a run that had used this ``gas``
+    from the start. The saved ``micro_steps`` (``global_steps * gas_saved`` at a step boundary) is
+    not used: at another GAS it would put the boundary after ``gas - (micro_steps_saved % gas)``
+    micro-batches (issue 41: saved at GAS 2 after 3 steps, 6 % 4 = 2, a step after 2 micro-batches
+    at GAS 4). DeepSpeed 0.19.8 (deepspeed/runtime/engine.py, ``_load_checkpoint``) neither saves
+    nor restores ``micro_steps``, so a fresh engine counts its boundary from the load with the
+    same result; here the counter also keeps ``micro_steps == global_steps * gas``. Gradients are
+    not saved, so a checkpoint is always resumed at a step boundary."""
+    return global_steps * gas
 
 
 def consolidated_state_dict(load_dir: str, tag: str | None = None) -> dict:

@@ -131,7 +131,9 @@ class ZeroEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
-        """Load a checkpoint saved at any DP size or ZeRO stage; ``(folder, client_state)``."""
+        """Load a checkpoint saved at any DP size, GAS or ZeRO stage; ``(folder, client_state)``.
+        ``micro_steps`` becomes ``global_steps * gradient_accumulation_steps()`` (this run's GAS:
+        :func:`megazero.engine.checkpoint.resumed_micro_steps`)."""
         return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def destroy(self) -> None:
