@@ -151,10 +151,12 @@ def _load(path: str, mmap: bool = False):
 class SavedShards:
     """Every saved rank's shards, opened with ``mmap``: ``pieces[name]`` = ``[(a, b, rank, region,
     lo)]``: elements ``[a, b)`` of parameter ``name`` are elements ``[lo, lo + b - a)`` of that
-    rank's region shard."""
+    rank's region shard. ZeRO stage 0 keeps no shards: every DP rank's file holds the whole
+    replicated state, so only rank 0's is read (reading all would count each element DP times)."""
 
-    def __init__(self, folder: str, dp: int):
-        self.files = [_load(_rank_file(folder, r), mmap=True) for r in range(dp)]
+    def __init__(self, folder: str, meta: dict):
+        ranks = 1 if meta["stage"] == 0 else meta["dp"]
+        self.files = [_load(_rank_file(folder, r), mmap=True) for r in range(ranks)]
         self.pieces: dict[str, list] = {}
         for r, saved in enumerate(self.files):
             for k, region in enumerate(saved["layout"]):
@@ -196,7 +198,7 @@ def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = T
         diff = next((n for n in sorted(set(mine) | set(meta["params"])) if mine.get(n) != meta["params"].get(n)), "?")
         raise ValueError(f"engine.load_checkpoint: {folder} holds another model (parameter {diff!r}: saved "
                          f"{meta['params'].get(diff)}, here {mine.get(diff)})")
-    saved = SavedShards(folder, meta["dp"])
+    saved = SavedShards(folder, meta)
     kinds = KINDS if load_optimizer_states else ("weight",)
 
     def fetch(p, kind, a, b):
@@ -236,7 +238,7 @@ def consolidated_state_dict(load_dir: str, tag: str | None = None) -> dict:
     """One fp32 ``state_dict`` (parameters from the masters under every name, tied aliases
     included, and the buffers) of a checkpoint, on the CPU, in one process: ``zero_to_fp32``."""
     folder, meta = resolve(load_dir, tag)
-    saved = SavedShards(folder, meta["dp"])
+    saved = SavedShards(folder, meta)
     out = {name: saved.full(name, shape).clone() for name, shape in meta["params"].items()}
     for alias, name in meta["aliases"].items():
         out[alias] = out[name]
