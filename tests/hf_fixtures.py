@@ -5,7 +5,7 @@
   ``PreTrainedTokenizerFast.save_pretrained`` (tokenizer.json + tokenizer_config.json).
 * ``gpt2_tokenizer(folder, texts)``: GPT-2 files (vocab.json / merges.txt from
   ``megazero.data.bpe_trainer``) saved by ``transformers.GPT2Tokenizer.save_pretrained``.
-* ``llama_model`` / ``gpt2_model``: random-weight models saved with ``save_pretrained``.
+* ``llama_model`` / ``qwen2_model`` / ``gpt2_model``: random-weight models saved with ``save_pretrained``.
 """
 from __future__ import annotations
 
@@ -56,6 +56,26 @@ def llama_model(folder: str, vocab_size: int, seed: int = 0):
                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None)
     model = transformers.LlamaForCausalLM(cfg).eval()
     _randomize_norms(model)
+    model.save_pretrained(folder)
+    return model
+
+
+def qwen2_model(folder: str, vocab_size: int, seed: int = 0, tie: bool = True):
+    """Qwen2 / Qwen2.5 (bias on q/k/v only, GQA 8 heads / 4 groups, rope_theta 1e6), the head tied
+    as the small Qwen2.5 models (``tie``), random weights and QKV biases (std 0.3), saved to ``folder``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                   initializer_range=0.3, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+                                   pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    _randomize_norms(model)
+    with torch.no_grad():  # HF initializes biases to zero: a wrong mapping of them would not show
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return model
 

@@ -43,6 +43,8 @@ VARIANTS = [
     dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
          add_bias_linear=False, untie_embeddings_and_output_weights=True),
     dict(ffn_hidden_size=48, max_position_embeddings=16),
+    dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+         add_bias_linear=False, add_qkv_bias=True),  # Qwen2: a bias on QKV alone
 ]
 
 

@@ -4,7 +4,7 @@ Hugging Face folders back to a megazero checkpoint.  One process, no torch.distr
 
     python tools/convert_checkpoint.py to-fp32 --load DIR [--iteration N] --output model_fp32.pt
     python tools/convert_checkpoint.py to-hf   --load DIR [--iteration N] --output HF_DIR
-                                               [--arch gpt2|llama|mixtral|qwen2_moe]
+                                               [--arch gpt2|llama|qwen2|mixtral|qwen2_moe]
                                                [--dtype float32|bfloat16|float16]
     python tools/convert_checkpoint.py from-hf --hf HF_DIR --save DIR [--iteration 0] [--dtype float32]
     python tools/convert_checkpoint.py from-megatron --load MEGATRON_DIR --save DIR [--iteration N]
@@ -15,7 +15,8 @@ master weights (the parameters when the checkpoint has no optimizer state), real
 only, tied output layer left out; written with ``torch.save``, loadable with ``weights_only=True``.
 
 ``to-hf``: ``config.json`` + ``model.safetensors`` for ``GPT2LMHeadModel`` (learned positions,
-LayerNorm, GELU, biases, tied embeddings) or ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU), and
+LayerNorm, GELU, biases, tied embeddings), ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU) or
+``Qwen2ForCausalLM`` (Llama's with a bias on the QKV projection only: ``--add-qkv-bias``), and
 for MoE models ``MixtralForCausalLM`` (every layer MoE, no shared expert) or
 ``Qwen2MoeForCausalLM`` (a gated shared expert; dense layers as ``mlp_only_layers``), experts
 under the Hub's per-expert names; the tensor mapping is :mod:`megazero.checkpoint.convert.hf`'s.  The checkpoint's tokenizer (recorded flags) is
@@ -25,9 +26,9 @@ written as HF tokenizer files, so ``AutoTokenizer.from_pretrained(HF_DIR)`` load
 no optimizer state (``no_save_optim``), at ``--iteration`` (0 by default) with no LR-scheduler
 state.  ``pretrain_gpt.py --load DIR`` in any layout reshards it: fp32 masters = the weights,
 Adam moments zero, step 0 -- a fresh optimizer on the imported weights.  The matching model flags
-are printed (``--openai-gelu`` for GPT-2's tanh GELU).  The folder's tokenizer files are copied to
-``DIR/tokenizer/`` and the tokenizer type recorded, so ``generate.py --load DIR`` and
-``pretrain_gpt.py --load DIR`` need no tokenizer flag.
+are printed (``--openai-gelu`` for GPT-2's tanh GELU, ``--add-qkv-bias`` for Qwen2's QKV bias).
+The folder's tokenizer files are copied to ``DIR/tokenizer/`` and the tokenizer type recorded,
+so ``generate.py --load DIR`` and ``pretrain_gpt.py --load DIR`` need no tokenizer flag.
 
 ``from-megatron``: the same from a Megatron-LM legacy checkpoint (``torch`` format:
 ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` or ``release/``), any TP x PP (x VP),
@@ -148,6 +149,7 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
         flags.append(f"--rotary-base {int(c.rotary_base)}")
     flags += [f for f, on in (("--swiglu", c.activation == "swiglu"), ("--openai-gelu", c.activation == "gelu_tanh"),
                               ("--disable-bias-linear", not c.add_bias_linear),
+                              ("--add-qkv-bias", c.add_qkv_bias and not c.add_bias_linear),
                               ("--apply-layernorm-1p", c.apply_layernorm_1p),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
     if c.moe is not None:  # Megatron's MoE flags
@@ -254,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", required=True)
     b.add_argument("--overwrite", action="store_true", help="write into a non-empty --output folder")
     b.add_argument("--arch", choices=list(hfmap.ARCHS), default=None,
-                   help="default: mixtral / qwen2_moe (a shared expert) for MoE, else llama with RoPE, else gpt2")
+                   help="default: mixtral / qwen2_moe (a shared expert) for MoE, else with RoPE qwen2 (a QKV-only "
+                        "bias) or llama, else gpt2")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     c = sub.add_parser("from-hf")
     c.add_argument("--hf", required=True)

@@ -57,6 +57,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's), as Megatron-LM's flag; default exact GELU")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the QKV projection only (Qwen2); implied by biases on every linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 

@@ -25,19 +25,21 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
             "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
-            "swiglu", "openai_gelu", "add_bias_linear", "untie_embeddings_and_output_weights", "init_method_std",
-            "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS
+            "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+            "init_method_std", "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS
 # The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
 _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
                   "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
                   "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "add_bias_linear",
-                  "untie_embeddings_and_output_weights", "attention_dropout", "hidden_dropout", "init_method_std",
-                  "seed", "params_dtype", "recompute_granularity", "recompute_method", "recompute_num_layers")
+                  "add_qkv_bias", "untie_embeddings_and_output_weights", "attention_dropout", "hidden_dropout",
+                  "init_method_std", "seed", "params_dtype", "recompute_granularity", "recompute_method",
+                  "recompute_num_layers")
 # The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
-              "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS
+              "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
+              "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -59,6 +61,10 @@ class GPTConfig:
     it is None the model pads to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's
     rule). Parameters beyond the real vocabulary are zero and get no probability mass.
     ``activation``: ``gelu`` (exact), ``gelu_tanh`` (GPT-2's) or ``swiglu`` (gate, up -> silu(gate) * up).
+    ``add_bias_linear``: a bias on every linear layer (QKV, dense, fc1, fc2); ``add_qkv_bias``
+    (Megatron's ``--add-qkv-bias``, Qwen2's attention): on the QKV projection only,
+    ``[q; k; v] = W x + b``. The QKV layer has a bias when either is set (:attr:`qkv_bias`), as
+    Megatron-LM core_v0.16.0's ``linear_qkv`` (``bias=add_bias_linear or add_qkv_bias``).
     ``recompute_granularity``: None, ``full`` (``recompute_method`` ``uniform``: chunks of
     ``recompute_num_layers`` layers; ``block``: the first ``recompute_num_layers`` layers of each
     model slice; None: every layer) or ``selective`` (core attention only).
@@ -82,6 +88,7 @@ class GPTConfig:
     apply_layernorm_1p: bool = False  # norm weights stored as w, applied as 1 + w (start at 0)
     activation: str = "gelu"
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on the QKV projection alone (implied by add_bias_linear)
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
@@ -130,6 +137,11 @@ class GPTConfig:
     @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias: ``add_bias_linear or add_qkv_bias``."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def swiglu(self) -> bool:
@@ -239,7 +251,7 @@ class GPTConfig:
                 "normalization": self.normalization, "norm_epsilon": self.norm_epsilon,
                 "apply_layernorm_1p": self.apply_layernorm_1p,
                 "swiglu": self.activation == "swiglu", "openai_gelu": self.activation == "gelu_tanh",
-                "add_bias_linear": self.add_bias_linear,
+                "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.qkv_bias,
                 "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
                 "init_method_std": self.init_method_std, "seed": self.seed,
                 "params_dtype": str(self.params_dtype).replace("torch.", ""),

@@ -106,7 +106,7 @@ class Attention(nn.Module):
         q, kv = config.num_attention_heads * self.d, config.num_query_groups * self.d
         key = f"layers.{layer_number}.attention"
         std, seed, sp = config.init_method_std, config.seed, config.sequence_parallel
-        self.qkv = ColumnParallelLinear(config.hidden_size, q + 2 * kv, tp_group, bias=config.add_bias_linear,
+        self.qkv = ColumnParallelLinear(config.hidden_size, q + 2 * kv, tp_group, bias=config.qkv_bias,
                                         sequence_parallel=sp, partition_sizes=[q, kv, kv],
                                         init_method=seeded_normal(std, seed, f"{key}.qkv.weight"),
                                         params_dtype=config.params_dtype, device=device)

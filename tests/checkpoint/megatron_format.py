@@ -71,6 +71,7 @@ def megatron_args(config, tp: int, pp: int, vp: int | None, padded: int, family:
         position_embedding_type=c.position_embedding_type, rotary_base=int(c.rotary_base), rotary_percent=1.0,
         normalization=c.normalization, norm_epsilon=c.norm_epsilon, swiglu=c.activation == "swiglu",
         openai_gelu=tanh and family == "legacy", add_bias_linear=c.add_bias_linear,
+        add_qkv_bias=c.add_bias_linear or c.add_qkv_bias,  # validate_args: on under add_bias_linear
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights, padded_vocab_size=padded,
         make_vocab_size_divisible_by=c.make_vocab_size_divisible_by, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp, params_dtype=torch.float32,

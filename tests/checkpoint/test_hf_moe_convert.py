@@ -1,5 +1,5 @@
-"""Mixtral and Qwen2-MoE folders saved by ``transformers`` (sharded) import with
-``convert_checkpoint.py from-hf``, export back with ``to-hf`` to the same tensors (exact) under
+"""Mixtral and Qwen2-MoE (QKV biases: ``--add-qkv-bias``) folders saved by ``transformers``
+(sharded) import with ``convert_checkpoint.py from-hf``, export back with ``to-hf`` to the same tensors (exact) under
 the Hub's names, load in transformers with the same logits, and ``tools/generate.py`` continues
 prompts as transformers' ``generate`` does with the experts over EP 2, TP 2 x EP 2 and
 TP 2 x EP 2 x ETP 1."""
@@ -39,6 +39,7 @@ def test_import_export_exact(imported, tmp_path):
     assert "--num-experts 4 --moe-ffn-hidden-size 24" in flags and "--moe-router-topk 2" in flags
     assert ("--moe-shared-expert-gate" in flags) == ("--moe-router-pre-softmax" in flags) == (style == "qwen2_moe")
     assert ("--moe-layer-freq '[1,0,1]'" in flags) == (style == "qwen2_moe")
+    assert ("--add-qkv-bias" in flags) == (style == "qwen2_moe") and "--disable-bias-linear" in flags
     reader = CheckpointReader(mz)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -51,7 +52,7 @@ def test_import_export_exact(imported, tmp_path):
     back = safetensors.load_file(f"{tmp_path}/out/model.safetensors")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["architectures"] == [type(model).__name__]
+    assert cfg["architectures"] == [type(model).__name__] and cfg.get("qkv_bias", False) == (style == "qwen2_moe")
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref)

@@ -1,5 +1,6 @@
 """A model and tokenizer saved by ``transformers`` (Llama: GQA, untied head, Llama-style
-tokenizer.json; GPT-2: tanh GELU, tied head, vocab.json + merges.txt) imports with from-hf,
+tokenizer.json; Qwen2.5-style: Llama's with biases on q/k/v only (``--add-qkv-bias``), tied head;
+GPT-2: tanh GELU, tied head, vocab.json + merges.txt) imports with from-hf,
 exports back with logits within 1e-5, generates at TP 1/2/4 the tokens transformers' own
 ``generate`` gives, trains in TP 2 x PP 2 x DP 2 with no tokenizer flag, exports, and loads back
 in transformers (model and AutoTokenizer)."""
@@ -24,14 +25,14 @@ PROMPTS = ["In the beginning God", "And the LORD said unto Moses,"]
 NEW = 10
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "gpt2", "qwen2"])
 def imported(request, tmp_path_factory):
     """(style, HF folder, original HF model, megazero checkpoint, config, recorded tokenizer)."""
     style, base = request.param, tmp_path_factory.mktemp(request.param)
     hf_dir, texts = str(base / "hf"), kjv_texts(60)
-    if style == "llama":
+    if style in ("llama", "qwen2"):
         hf_fixtures.llama_tokenizer(hf_dir, texts)
-        model = hf_fixtures.llama_model(hf_dir, vocab_size=500)
+        model = getattr(hf_fixtures, f"{style}_model")(hf_dir, vocab_size=500)
     else:
         hf_fixtures.gpt2_tokenizer(hf_dir, texts)
         model = hf_fixtures.gpt2_model(hf_dir, vocab_size=len(transformers.AutoTokenizer.from_pretrained(hf_dir)))
@@ -51,7 +52,9 @@ def test_import_records_tokenizer_and_flags(imported):
     assert os.path.isfile(os.path.join(mz, "tokenizer", "tokenizer.json"))
     assert CheckpointReader(mz).args["tokenizer_type"] == "HuggingFaceTokenizer"
     flags = conv.pretrain_flags(config, tokenizer)
-    assert ("--openai-gelu" in flags) == (style == "gpt2") and ("--swiglu" in flags) == (style == "llama")
+    assert ("--openai-gelu" in flags) == (style == "gpt2") and ("--swiglu" in flags) == (style != "gpt2")
+    assert ("--add-qkv-bias" in flags) == (style == "qwen2") and ("--disable-bias-linear" in flags) == (style != "gpt2")
+    assert ("--untie-embeddings-and-output-weights" in flags) == (style == "llama")
 
 
 def test_roundtrip_logits_and_tokenizer(imported, tmp_path):
@@ -121,15 +124,16 @@ def test_load_model_gives_transformers_logits(imported):
 
 
 def test_an_import_loaded_without_its_flags_is_refused_and_use_checkpoint_args_takes_them(imported):
-    """Issue 30's example: GPT-2 without --openai-gelu would train exact GELU; it is refused, naming
-    the flag; --use-checkpoint-args with no model flag at all builds the imported model."""
+    """Issue 30's example: GPT-2 without --openai-gelu would train exact GELU (Qwen2 without
+    --add-qkv-bias would drop its QKV bias); it is refused, naming the flag; --use-checkpoint-args
+    with no model flag at all builds the imported model."""
     from megazero.arguments import parse_args
     from megazero.checkpoint import CheckpointError
     from megazero.training.build import build_configs
     from tests.faults.common import TINY
     style, _, _, mz, config, _ = imported
     run = TINY[8:] + ["--seq-length", "16", "--mock-data", "--train-iters", "2", "--load", mz]
-    dropped = "--openai-gelu" if style == "gpt2" else "--swiglu"
+    dropped = {"gpt2": "--openai-gelu", "qwen2": "--add-qkv-bias"}.get(style, "--swiglu")
     flags = [f for f in tool().pretrain_flags(config).split() if f != dropped]
     with pytest.raises(CheckpointError) as e:
         build_configs(parse_args(flags + run, world_size=1, training=True))
@@ -139,3 +143,4 @@ def test_an_import_loaded_without_its_flags_is_refused_and_use_checkpoint_args_t
     vocab = ["--vocab-size", str(config.vocab_size)]  # the data's, not a model flag (Megatron copies none)
     built = build_configs(parse_args(run + vocab + ["--use-checkpoint-args"], world_size=1, training=True)).model
     assert built.activation == config.activation and built.num_layers == config.num_layers
+    assert built.qkv_bias == config.qkv_bias and built.add_bias_linear == config.add_bias_linear

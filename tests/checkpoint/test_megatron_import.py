@@ -1,6 +1,6 @@
 """tools/convert_checkpoint.py from-megatron: Megatron-LM legacy checkpoints (written as
 Megatron-LM core_v0.13.0 writes them, tests/checkpoint/megatron_format.py) at TP 2 x PP 2 (and VP,
-release, both key families) give a megazero checkpoint whose model has the directly built
+release, both key families, and --add-qkv-bias without other biases) give a megazero checkpoint whose model has the directly built
 model's logits, and that --load reshards into a 3D training layout."""
 import enum
 import sys
@@ -24,6 +24,7 @@ GPT2ISH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=1
 LLAMAISH = dict(GPT2ISH, activation="swiglu", position_embedding_type="rope", normalization="RMSNorm",
                 add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2,
                 ffn_hidden_size=48)
+QWEN2ISH = dict(LLAMAISH, add_qkv_bias=True)  # --disable-bias-linear --add-qkv-bias: a bias on QKV alone
 
 
 def direct_model(kw, seed=3):
@@ -50,6 +51,7 @@ def converted_model(root):
 @pytest.mark.parametrize("kw,family,tp,pp,vp,iteration", [
     (GPT2ISH, "legacy", 2, 2, None, 20), (LLAMAISH, "legacy", 2, 2, None, None),
     (LLAMAISH, "mcore", 2, 2, None, 7), (GPT2ISH, "te", 2, 2, None, 7), (LLAMAISH, "te", 2, 1, 2, 5),
+    (QWEN2ISH, "mcore", 2, 2, None, 3), (QWEN2ISH, "legacy", 2, 1, None, 3),
 ])
 def test_from_megatron_logits(tmp_path, kw, family, tp, pp, vp, iteration):
     model = direct_model(kw)
@@ -61,6 +63,7 @@ def test_from_megatron_logits(tmp_path, kw, family, tp, pp, vp, iteration):
     ours, reader = converted_model(str(tmp_path / "mz"))
     assert reader.iteration == (iteration or 0) and reader.args["tokenizer_type"] == "NullTokenizer"
     assert reader.args["vocab_size"] == 100  # Megatron's NullTokenizer: --vocab-size 99 -> 100 ids
+    assert reader.args["add_qkv_bias"] is model.config.qkv_bias  # as Megatron records it
     for name, t in full.items():
         assert torch.equal(reader.full_param(name), t), name
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))

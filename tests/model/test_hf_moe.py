@@ -1,4 +1,5 @@
-"""Megazero MoE models loaded from random HF Mixtral / Qwen2-MoE give transformers' logits and
+"""Megazero MoE models loaded from random HF Mixtral / Qwen2-MoE (``qkv_bias`` true, as every
+released Qwen1.5-MoE / Qwen2-MoE: ``--add-qkv-bias``; and false) give transformers' logits and
 greedy tokens at EP 1/2 x TP 1/2 (ETP = TP and ETP 1), and convert back unchanged.
 
 fp32 logits: max |a - b| / max |b| <= 1e-5 (as the dense HF tests); round trips exact, both in
@@ -33,10 +34,11 @@ def mixtral(**overrides):
 
 
 def qwen2_moe(**overrides):
-    """Layer 1 dense (``mlp_only_layers``), the others MoE with the gated shared expert."""
+    """Layer 1 dense (``mlp_only_layers``), the others MoE with the gated shared expert; biases on
+    q/k/v (``qkv_bias``, transformers' default) and nowhere else."""
     cfg = dict(hidden_size=32, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=48,
                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_experts=4,
-               num_experts_per_tok=2, mlp_only_layers=[1], qkv_bias=False, max_position_embeddings=32,
+               num_experts_per_tok=2, mlp_only_layers=[1], qkv_bias=True, max_position_embeddings=32,
                initializer_range=0.3, norm_topk_prob=False)
     torch.manual_seed(0)
     return _random(transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**cfg, **overrides})))
@@ -105,16 +107,19 @@ def test_logits_roundtrip_and_generation_at_ep_and_tp():
 
 @pytest.mark.parametrize("make,kw", [(qwen2_moe, dict(norm_topk_prob=True, decoder_sparse_step=2,
                                                       mlp_only_layers=[])),
+                                     (qwen2_moe, dict(qkv_bias=False)),
                                      (mixtral, dict(num_experts_per_tok=1, tie_word_embeddings=True))])
 def test_routing_variants_one_process(make, kw):
-    """Qwen2-MoE's renormalized top-k (default routing) with every second layer MoE; Mixtral top-1, tied."""
+    """Qwen2-MoE's renormalized top-k (default routing) with every second layer MoE; Qwen2-MoE
+    without the QKV bias; Mixtral top-1, tied."""
     hf = make(**kw)
     hf_config, state, ids, ref, _ = _case(hf)
     config = config_from_hf(hf_config, make_vocab_size_divisible_by=8)
     model = GPTModel(config, None).eval()
     assert load_hf(model, state) == []
     assert config.moe.pre_softmax is (make is qwen2_moe and not kw.get("norm_topk_prob"))
-    if make is qwen2_moe:
+    assert config.add_qkv_bias is (make is qwen2_moe and kw.get("qkv_bias", True)) and not config.add_bias_linear
+    if make is qwen2_moe and "decoder_sparse_step" in kw:
         assert config.moe.layer_pattern == (0, 1, 0)
     with torch.no_grad():
         assert _max_rel(model(ids)[..., :VOCAB], ref) <= 1e-5
@@ -126,8 +131,7 @@ def test_routing_variants_one_process(make, kw):
         assert torch.equal(again.eval()(ids).logits, ref)
 
 
-@pytest.mark.parametrize("arch,key,value", [("qwen2_moe", "qkv_bias", True),
-                                            ("qwen2_moe", "use_sliding_window", True),
+@pytest.mark.parametrize("arch,key,value", [("qwen2_moe", "use_sliding_window", True),
                                             ("qwen2_moe", "num_experts", 0),
                                             ("qwen2_moe", "shared_expert_intermediate_size", 0),
                                             ("qwen2_moe", "hidden_act", "gelu"),

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE weights <-> megazero, at any TP (and EP) size
+"""Hugging Face GPT-2 / Llama / Qwen2 / Mixtral / Qwen2-MoE weights <-> megazero, at any TP (and EP) size
 (``transformers`` not needed).
 
 Conversion goes through the model's *full* state dict (:meth:`GPTModel.full_state_dict`): full,
@@ -25,22 +25,25 @@ Both use the same head layout and RoPE convention as megazero (head-major rows, 
 no permutation is needed. ``load_hf(model, source)`` takes an HF state dict or a saved folder
 (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``); ``to_hf_state_dict(model)``
 goes back (a collective over TP); ``config_from_hf`` builds the :class:`GPTConfig`.
-``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` map as Llama outside their MoE blocks, whose
-mapping (and routing equivalences) is in :mod:`.hf_moe`.
+``Qwen2ForCausalLM`` maps as Llama, its QKV bias (and no other: ``--add-qkv-bias``) included
+(:mod:`.hf_qwen2`). ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` map as Llama outside their
+MoE blocks, whose mapping (and routing equivalences) is in :mod:`.hf_moe`. A saved folder is
+read by :mod:`.hf_files`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from megazero.model.config import GPTConfig
+from .hf_files import WEIGHT_FILES, hf_weights, read_hf_folder  # noqa: F401 (the converter's names)
 from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
                      moe_layer_map, unfuse_experts)
+from .hf_qwen2 import QWEN2_ARCHS, qwen2_config, qwen2_fields
 
-ARCHS = ("gpt2", "llama") + tuple(MOE_ARCHS)
+ARCHS = ("gpt2", "llama", "qwen2") + tuple(MOE_ARCHS)
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu"}
@@ -51,8 +54,8 @@ def _as_dict(hf_config) -> dict:
 
 
 def arch_of(hf: dict) -> str:
-    """``gpt2``, ``llama``, ``mixtral`` or ``qwen2_moe`` from an HF config dict (``model_type``)
-    or state dict (its keys)."""
+    """``gpt2``, ``llama``, ``qwen2``, ``mixtral`` or ``qwen2_moe`` from an HF config dict
+    (``model_type``) or state dict (its keys: a dense Qwen2's are ``llama``, whose mapping it shares)."""
     if "model_type" in hf:
         kind = hf["model_type"]
         if kind not in ARCHS:
@@ -66,12 +69,12 @@ def arch_of(hf: dict) -> str:
         return "mixtral"
     if any(k.endswith("embed_tokens.weight") for k in hf):
         return "llama"
-    raise ValueError("cannot tell GPT-2 / Llama / Mixtral / Qwen2-MoE apart by these keys")
+    raise ValueError("cannot tell GPT-2 / Llama / Qwen2 / Mixtral / Qwen2-MoE apart by these keys")
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
     """A :class:`GPTConfig` equal in architecture to an HF ``GPT2Config`` / ``LlamaConfig`` /
-    ``MixtralConfig`` / ``Qwen2MoeConfig`` (or its dict)."""
+    ``Qwen2Config`` / ``MixtralConfig`` / ``Qwen2MoeConfig`` (or its dict)."""
     c = _as_dict(hf_config)
     arch = arch_of(c)
     if arch == "gpt2":
@@ -108,6 +111,8 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
                   attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
                   init_method_std=c.get("initializer_range", 0.02))
+        if arch in QWEN2_ARCHS:
+            kw.update(qwen2_fields(c, arch))
         if arch in MOE_ARCHS:
             kw.update(moe_fields(c, arch, kw["num_layers"]))
     kw.update(overrides)
@@ -205,53 +210,6 @@ def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torc
     return out
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def _open_weights(file: str):
-    """``(get, names)`` of one weights file; a file that cannot be opened (truncated, empty, not
-    that format) is a ValueError naming it."""
-    try:
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-            handle = safe_open(file, framework="pt")  # memory-mapped, one tensor per get
-            return handle.get_tensor, set(handle.keys())
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # safetensors' own error class, a truncated zip, a bad pickle
-        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}); is it truncated or damaged? "
-                         "download or save it again") from None
-    return state.__getitem__, set(state)
-
-
-def hf_weights(path: str):
-    """``(get, names)``: one tensor at a time from a saved HF folder's weights, the first of
-    :data:`WEIGHT_FILES` there (safetensors preferred); a ``*.index.json`` names the shard of each
-    tensor (``weight_map``), shards opened when first read."""
-    found = [os.path.join(path, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
-    if not found:
-        raise FileNotFoundError(f"{path}: none of {', '.join(WEIGHT_FILES)}")
-    if not found[0].endswith(".json"):
-        return _open_weights(found[0])
-    with open(found[0]) as fh:
-        weight_map = json.load(fh)["weight_map"]
-    shards = {}
-
-    def get(name: str) -> torch.Tensor:
-        shard = weight_map[name]
-        if shard not in shards:
-            shards[shard] = _open_weights(os.path.join(path, shard))[0]
-        return shards[shard](name)
-    return get, set(weight_map)
-
-
-def read_hf_folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, state dict) of a saved HF model folder (:func:`hf_weights`)."""
-    with open(os.path.join(path, "config.json")) as fh:
-        config = json.load(fh)
-    get, names = hf_weights(path)
-    return config, {name: get(name) for name in sorted(names)}
-
-
 def load_hf(model, source) -> list[str]:
     """Load an HF state dict, or a folder path, into ``model`` (any TP size or pipeline slice).
 
@@ -273,9 +231,13 @@ def to_hf_state_dict(model, arch: str | None = None, fused_experts: bool = False
 
 
 def arch_of_config(config) -> str:
+    """The HF architecture a :class:`GPTConfig` exports as by default: MoE per :mod:`.hf_moe`;
+    RoPE with a QKV-only bias ``qwen2``, other RoPE ``llama``; learned positions ``gpt2``."""
     if config.moe is not None:
         return moe_arch_of_config(config)
-    return "llama" if config.position_embedding_type == "rope" else "gpt2"
+    if config.position_embedding_type != "rope":
+        return "gpt2"
+    return "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
 
 
 def hf_config_of(config: GPTConfig, arch: str) -> dict:
@@ -283,7 +245,7 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
     c = config
     if (c.moe is not None) != (arch in MOE_ARCHS):
         raise ValueError(f"a {'MoE' if c.moe is not None else 'dense'} model does not export as {arch!r} "
-                         f"(MoE: {' or '.join(MOE_ARCHS)}; dense: gpt2 or llama)")
+                         f"(MoE: {' or '.join(MOE_ARCHS)}; dense: gpt2, llama or qwen2)")
     if arch == "gpt2":
         bad = [m for m, ok in (("learned_absolute positions", c.position_embedding_type == "learned_absolute"),
                                ("LayerNorm", c.normalization == "LayerNorm"), ("biases", c.add_bias_linear),
@@ -301,9 +263,11 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": c.tied_embeddings, "torch_dtype": "float32"}
     bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
-                           ("SwiGLU", c.activation == "swiglu")) if not ok]
+                           ("SwiGLU", c.activation == "swiglu"),
+                           ("no QKV-only bias (--add-qkv-bias: export as qwen2)",
+                            arch != "llama" or c.qkv_bias == c.add_bias_linear)) if not ok]
     if bad:
-        raise ValueError(f"{MOE_ARCHS.get(arch, 'Llama')} export needs: {', '.join(bad)}")
+        raise ValueError(f"{MOE_ARCHS.get(arch, QWEN2_ARCHS.get(arch, 'Llama'))} export needs: {', '.join(bad)}")
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
@@ -313,4 +277,6 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
             "attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear, "hidden_act": "silu",
             "initializer_range": c.init_method_std, "tie_word_embeddings": c.tied_embeddings,
             "attention_dropout": 0.0, "torch_dtype": "float32"}
+    if arch == "qwen2":
+        return qwen2_config(c, llama)
     return hf_moe_config(c, arch, llama) if arch in MOE_ARCHS else llama

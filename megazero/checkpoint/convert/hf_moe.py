@@ -24,8 +24,10 @@ which equals the softmax over the top-k logits: Megatron's default (``pre_softma
 Qwen2-MoE takes the top-k of the full softmax and renormalizes only with ``norm_topk_prob``:
 ``norm_topk_prob`` False is ``--moe-router-pre-softmax``, True is the default. Qwen2-MoE's layer
 ``n`` is MoE unless ``n`` is in ``mlp_only_layers`` or ``(n + 1) % decoder_sparse_step != 0``;
-the pattern becomes ``--moe-layer-freq`` as a list. HF configs we cannot express (qkv biases,
-sliding windows, a non-SiLU activation, no shared expert) are refused naming the key.
+the pattern becomes ``--moe-layer-freq`` as a list. Qwen2-MoE's attention (``qkv_bias``: a bias on
+the QKV projection only, ``--add-qkv-bias``; sliding windows refused) is :mod:`.hf_qwen2`'s. HF
+configs we cannot express (sliding windows, a non-SiLU activation, no shared expert) are refused
+naming the key.
 """
 
 from __future__ import annotations
@@ -64,14 +66,6 @@ def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
         moe = _moe(arch, num_experts=c["num_local_experts"], ffn_hidden_size=f, layer_pattern=(1,) * num_layers,
                    router_topk=c.get("num_experts_per_tok", 2), pre_softmax=False)
         return {"ffn_hidden_size": f, "moe": moe}
-    if c.get("qkv_bias", True):
-        raise _refuse(arch, "qkv_bias", c.get("qkv_bias", True),
-                      "megazero's attention has biases only with every linear's (--add-bias-linear), which MoE "
-                      "experts refuse; Megatron's --add-qkv-bias is not available")
-    types = c.get("layer_types") or []
-    if c.get("use_sliding_window") or "sliding_attention" in types:
-        raise _refuse(arch, "use_sliding_window", c.get("use_sliding_window"),
-                      "sliding-window attention is not available in megazero")
     E, shared = c.get("num_experts", 0), c.get("shared_expert_intermediate_size")
     if not E:
         raise _refuse(arch, "num_experts", E, "no experts: a dense Qwen2 model, not an MoE one")
@@ -212,7 +206,7 @@ def hf_moe_config(config, arch: str, llama: dict) -> dict:
         return out
     out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
                shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
-               norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, qkv_bias=False,
+               norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, qkv_bias=c.qkv_bias,
                mlp_only_layers=[n for n, on in enumerate(moe.layer_pattern) if not on],
                use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
     return out

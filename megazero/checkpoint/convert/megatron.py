@@ -29,7 +29,9 @@ the file's pickled globals: :mod:`megazero.checkpoint.convert.megatron_pickle`):
   global layers from ``(c * PP + p) * L / (PP * VP)`` (uniform split).
 * Fused QKV rows (``attention.py``: ``[sq, b, ng, (np/ng + 2) * hn]``): per query group, that
   group's query heads, then its key head, then its value head; TP rank ``t`` holds groups
-  ``[t G/TP, (t+1) G/TP)``. megazero's full QKV is ``[Q; K; V]`` (head-major rows).
+  ``[t G/TP, (t+1) G/TP)``. megazero's full QKV is ``[Q; K; V]`` (head-major rows). Its bias,
+  present with ``add_bias_linear or add_qkv_bias`` (``attention.py``'s ``linear_qkv``, the legacy
+  ``query_key_value``, core_v0.16.0), is ordered as those rows and regrouped the same way.
 * SwiGLU's fused fc1 (``mlp.py``: ``glu``: ``chunk(x, 2)``, silu on the first half): each TP
   rank's rows are ``[gate_t; up_t]``; megazero's full fc1 is ``[gate; up]``.
 * Column-parallel weights (embedding, output layer, QKV, fc1) concatenate over TP on rows,
@@ -168,9 +170,7 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None, family: st
                                     ("apply_residual_connection_post_layernorm",
                                      a.get("apply_residual_connection_post_layernorm")),
                                     ("squared_relu", a.get("squared_relu")), ("quick_geglu", a.get("quick_geglu")),
-                                    ("qk_layernorm", a.get("qk_layernorm")),
-                                    ("add_qkv_bias without add_bias_linear",
-                                     a.get("add_qkv_bias") and not a.get("add_bias_linear", True)))
+                                    ("qk_layernorm", a.get("qk_layernorm")))
                    if bad]
     if a.get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope"):
         unsupported.append(f"position_embedding_type {a['position_embedding_type']}")
@@ -193,7 +193,7 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None, family: st
              "normalization": a.get("normalization", "LayerNorm"),
              "apply_layernorm_1p": bool(a.get("apply_layernorm_1p", False)),  # norm weights stored as w (1 + w)
              "norm_epsilon": a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
-             "add_bias_linear": a.get("add_bias_linear", True),
+             "add_bias_linear": a.get("add_bias_linear", True), "add_qkv_bias": bool(a.get("add_qkv_bias")),
              "untie_embeddings_and_output_weights": a.get("untie_embeddings_and_output_weights", False),
              "params_dtype": str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else dtype,
              **moe.moe_args(a)}
