@@ -5,6 +5,7 @@ ring) and a2a (Ulysses), against the formulas. Run one configuration after anoth
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py                  # seq 8192, CP 1/2/4 x p2p/a2a (~2.5 min)
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 16384      # the longer sequence (~8 min)
     PYTHONPATH=. .venv/bin/python bench/context_parallel.py --seq 8192 16384 --iters 5 --json cp.json
+    PYTHONPATH=. .venv/bin/python bench/context_parallel.py --process --seq 8192 --cp 1 4   # whole processes (~7 min)
 
 Model: ``--layers`` 2, ``--hidden`` 128, ``--heads`` 4 (``--groups``: query groups, GQA), RoPE,
 fp32, no dropout, vocabulary ``--vocab`` 1024, micro-batch 1, one micro-batch per step, ZeRO
@@ -21,8 +22,9 @@ mapping, unmapped on free, so the resident set follows what is alive), runs ``--
 that peak minus the resident set before: what a step adds on top of the model and optimizer
 states (activations, their gradients, the attention's temporaries). A second phase runs one
 attention call alone (one layer's ``q, k, v``; its forward's peak, then its backward's) the same way; for the ring
-it is also given in fp32 score blocks ``b H L^2 4`` bytes, ``L = s / 2CP`` (the ring forms its
-scores in query-row tiles, at most two alive). The largest rank's figures are shown.
+it is also given in fp32 score blocks ``b H L^2 4`` bytes, ``L = s / 2CP`` (the ring's block kernel
+on CPU is the flash kernel, which forms none; its explicit fallback forms query-row tiles, at most
+two alive). The largest rank's figures are shown.
 
 Communication: each rank wraps ``torch.distributed.batch_isend_irecv`` (the ring's exchanges)
 and ``all_to_all_single`` (Ulysses') in its own process and adds up the bytes it sends to other
@@ -31,9 +33,18 @@ bytes (one rank's K or V): ring forward ``(CP-1) 2B``, backward ``(CP-1) 2B`` (K
 ``CP 2B`` (fp32 dK, dV following their block home), counted together; Ulysses forward and
 backward each ``(CP-1)/CP (2 H + 2 G) b (s/CP) d 4`` (q, k, v and the output, or their gradients).
 
+``--process``: what a user measures. ``pretrain_gpt.py`` under torchrun (4 layers, hidden 64, 4
+heads, 2 query groups, RoPE, SwiGLU, fp32, vocabulary 512, mock data, micro-batch 1, 2 iterations;
+``PROCESS_FLAGS``) at each ``--seq`` and at ``--base-seq`` (128), CP 1 and CP 4, ``--repeat`` runs
+of each, interleaved. Every rank reads its own ``ru_maxrss`` (the whole process: start-up, the first
+step, the data reader, glibc's default allocator) and CPU seconds at exit. Per rank: the median
+peak at ``--seq`` minus the median peak of the same layout at ``--base-seq``; the worst rank's is
+compared with CP 1's (target ``--target``); CPU seconds added, summed over the ranks, likewise.
+
 Time: the median over ``--iters`` steps of the slowest rank's wall time (each step starts at a
 barrier), and the median per-rank CPU time (``time.process_time``): with more ranks than cores
-the wall time also counts waiting for a core.
+the wall time also counts waiting for a core; "CPU x CP / CP 1" is the total CPU time against CP 1's
+(target ``--cpu-target`` 1.3 for the ring).
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rss import peak_since_reset, reset_peak, rss_now  # noqa: E402
+from rss import peak_since_reset, reset_peak, rss_now, torchrun_peaks  # noqa: E402
 
 MB = 2 ** 20
 
@@ -206,7 +217,7 @@ def table(rows) -> str:
     """Markdown: one row per configuration; memory ratios against CP 1 at the same sequence."""
     base = {r["seq"]: r for r in rows if r["cp"] == 1}
     head = ["seq", "CP", "attention", "step peak MiB", "/ CP 1", "attention fwd / bwd MiB", "in score blocks",
-            "wall s/step", "CPU s/step", "sent fwd + bwd MiB (formula)"]
+            "wall s/step", "CPU s/step", "CPU x CP / CP 1", "sent fwd + bwd MiB (formula)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         b, f, s = base.get(r["seq"]), r["formula"], r["sent"]
@@ -218,8 +229,54 @@ def table(rows) -> str:
             f"{r['attention_fwd'] / MB:.0f} / {r['attention_bwd'] / MB:.0f}",
             f"{r['attention_fwd'] / f['block']:.1f} / {r['attention_bwd'] / f['block']:.1f}"
             if r["comm"] == "p2p" else "-",
-            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", sent]) + " |")
+            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", _ratio(r["cpu_s"] * r["cp"], b["cpu_s"]) if b else "-",
+            sent]) + " |")
     return "\n".join(out)
+
+
+PROCESS_FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+                 "--position-embedding-type rope --swiglu --attention-dropout 0.0 --hidden-dropout 0.0 "
+                 "--micro-batch-size 1 --global-batch-size 1 --train-iters 2 --lr 1e-4 --mock-data --vocab-size 512 "
+                 "--distributed-backend gloo --log-interval 1 --eval-iters 0 --eval-interval 1000").split()
+
+
+def process_mode(o) -> int:
+    """The whole-process figure: per rank, the median peak at each ``--seq`` minus the median peak
+    of the same layout at ``--base-seq``; the worst rank's; CPU: all ranks' seconds, the same way."""
+    import tempfile
+    runs = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(o.repeat):  # interleaved, so the box's load drifts over every configuration alike
+            for cp in o.cp:
+                for seq in (o.base_seq, *o.seq):
+                    flags = PROCESS_FLAGS + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
+                                             "--context-parallel-size", str(cp), "--cp-comm-type", o.comm[0]]
+                    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+                    prefix = os.path.join(tmp, f"{i}-{cp}-{seq}")
+                    runs[cp, seq].append(torchrun_peaks("pretrain_gpt.py", flags, cp, prefix, ROOT, env))
+    med = lambda cp, seq, key, r: statistics.median(run[r][key] for run in runs[cp, seq])  # noqa: E731
+    rows = []
+    for seq in o.seq:
+        for cp in o.cp:
+            deltas = [med(cp, seq, "peak", r) - med(cp, o.base_seq, "peak", r) for r in range(cp)]
+            cpu = [sum(run[r]["cpu"] for r in range(cp)) for run in runs[cp, seq]]
+            cpu0 = [sum(run[r]["cpu"] for r in range(cp)) for run in runs[cp, o.base_seq]]
+            rows.append({"seq": seq, "cp": cp, "delta": max(deltas), "deltas": deltas,
+                         "cpu_added": statistics.median(cpu) - statistics.median(cpu0),
+                         "peaks": [[r["peak"] for r in run] for run in runs[cp, seq]]})
+            print(json.dumps(dict(rows[-1], kind="process")), flush=True)
+    print("| seq | CP | peak RSS added, worst rank MiB | / CP 1 | every rank MiB | CPU s added, all ranks | / CP 1 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = next(x for x in rows if x["seq"] == r["seq"] and x["cp"] == 1)
+        print(f"| {r['seq']} | {r['cp']} | {r['delta'] / MB:.0f} | {_ratio(r['delta'], b['delta'])} | "
+              f"{' / '.join(f'{d / MB:.0f}' for d in r['deltas'])} | {r['cpu_added']:.1f} | "
+              f"{_ratio(r['cpu_added'], b['cpu_added'])} |")
+        if r["cp"] == max(o.cp) > 1:
+            ratio = r["delta"] / b["delta"]
+            print(f"target seq {r['seq']} CP {r['cp']} process peak: {ratio:.2f} x CP 1 (target <= {o.target}): "
+                  f"{'met' if ratio <= o.target else 'not met'}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -235,8 +292,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--target", type=float, default=0.35, help="step peak at the largest CP / CP 1")
+    p.add_argument("--cpu-target", type=float, default=1.3, help="the ring's CPU time x CP / CP 1's")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--process", action="store_true", help="the whole-process peak RSS of pretrain_gpt.py runs")
+    p.add_argument("--base-seq", type=int, default=128, help="--process: the layout's baseline sequence")
+    p.add_argument("--repeat", type=int, default=3, help="--process: runs of each configuration (medians)")
     o = p.parse_args(argv)
+    if o.process:
+        return process_mode(o)
     rows = []
     for seq in o.seq:
         for cp in o.cp:
@@ -245,6 +308,12 @@ def main(argv=None) -> int:
                 print(json.dumps(dict(rows[-1], kind="cp")), flush=True)
     print(table(rows))
     top = max(o.cp)
+    for r in rows:
+        base = next((b for b in rows if b["seq"] == r["seq"] and b["cp"] == 1), None)
+        if r["cp"] == top > 1 and base and r["comm"] == "p2p":
+            ratio = r["cpu_s"] * top / base["cpu_s"]
+            print(f"target seq {r['seq']} CP {top} p2p: CPU time (per rank x CP) {ratio:.2f} x CP 1 "
+                  f"(target <= {o.cpu_target}): {'met' if ratio <= o.cpu_target else 'not met'}")
     for r in rows:
         base = next((b for b in rows if b["seq"] == r["seq"] and b["cp"] == 1), None)
         if r["cp"] == top > 1 and base:

@@ -9,20 +9,33 @@ token's true position.
 
 **Ring attention** (``p2p``, :class:`RingAttention`). Each rank keeps its queries; the key/value
 blocks travel around the ring (``isend`` to ``r + 1``, ``irecv`` from ``r - 1``, the next block in
-flight while the current one is computed). For query chunk ``a`` and key chunk ``b`` of the block
-at hand: ``b > a`` is fully masked (skipped), ``b < a`` fully visible, ``b = a`` causal. Partial
-results merge by log-sum-exp (online softmax, fp32): for rows with running ``(o, lse)`` and a
-block's ``(o_b, lse_b)`` (``o_b = softmax(S_b) V_b`` over that block only)::
+flight while the current one is computed). Against the K/V of rank ``src`` a rank computes one
+block (:func:`_block`): at ``src = r`` its whole local block, causally (chunk ``r`` before chunk
+``2CP-1-r``, so the top-left causal mask of the concatenation is the true one); for ``src < r``
+all its queries against ``src``'s low chunk; for ``src > r`` its high chunk against both of
+``src``'s (every other chunk pair is fully masked and skipped). A block yields
+``o_b = softmax(S_b) V_b`` and ``lse_b = log sum_j exp(S_b)`` over its keys only
+(``S_b = Q K_b^T / sqrt(d)``); rows carry a running ``(o, lse)`` (fp32) and merge by
+log-sum-exp (online softmax, :func:`_merge`)::
 
     lse' = log(exp(lse) + exp(lse_b)),   o' = o exp(lse - lse') + o_b exp(lse_b - lse')
 
 which equals one softmax over all keys. Backward re-walks the ring with ``dK, dV`` travelling
-with their block (back at their owner after ``CP`` hops): with ``P = exp(S - lse)``,
-``D = rowsum(dO o O)``: ``dV += P^T dO``, ``dS = P o (dO V^T - D)``, ``dQ += dS K / sqrt(d)``,
-``dK += dS^T Q / sqrt(d)``. A rank sends ``CP - 1`` K/V blocks in forward; in backward the K/V
-blocks go ahead again (``CP - 1`` hops, in flight while the current block is computed) and the
-fp32 ``dK, dV`` of each block follow it, ``CP`` hops, the last one home. Scores are computed in
-query-row tiles of at most ``TILE_ELEMS`` elements, so the quadratic buffer is bounded.
+with their block (back at their owner after ``CP`` hops): with the rows' *final* ``(o, lse)``,
+``P = exp(S - lse)`` are the exact probabilities and ``D = rowsum(dO o O)``: ``dV += P^T dO``,
+``dS = P o (dO V^T - D)``, ``dQ += dS K / sqrt(d)``, ``dK += dS^T Q / sqrt(d)``. A rank sends
+``CP - 1`` K/V blocks in forward; in backward the K/V blocks go ahead again (``CP - 1`` hops, in
+flight while the current block is computed) and the fp32 ``dK, dV`` of each block follow it,
+``CP`` hops, the last one home.
+
+**Block kernels** (:func:`_kernel`; K/V repeated to the query heads for GQA, gradients summed
+back per group). A fused kernel that returns its log-sum-exp runs each block; its backward, given
+the final ``(o, lse)``, yields exactly the block's terms above. CPU:
+``aten._scaled_dot_product_flash_attention_for_cpu`` / ``..._backward`` in fp32 (fp64 kept), CP 1's
+SDPA kernel, no ``L x L`` buffer. CUDA, fp16 / bf16 / fp32, ``d % 8 == 0``:
+``aten._scaled_dot_product_efficient_attention`` / ``..._backward`` in the input dtype. Elsewhere
+(or ``fused=False``): explicit matmul / ``exp`` in fp32 query-row tiles of at most ``TILE_ELEMS``
+score elements (:class:`_Explicit`).
 
 **All-to-all** (``a2a``, DeepSpeed-Ulysses, :func:`ulysses_attention`): an all-to-all turns
 ``[b, H, s/CP, d]`` (sequence-sharded) into ``[b, H/CP, s, d]`` (head-sharded), the chunks are put
@@ -67,26 +80,29 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _merge(o, lse, o_b, lse_b):
+def _merge(o, lse, o_b, lse_b) -> None:
+    """Fold a block's ``(o_b, lse_b)`` into the running rows ``(o, lse)`` (views), in place:
+    ``lse' = log(exp(lse) + exp(lse_b))``, ``o' = o exp(lse - lse') + o_b exp(lse_b - lse')``."""
     new = torch.logaddexp(lse, lse_b)
-    return o * torch.exp(lse - new) + o_b * torch.exp(lse_b - new), new
+    o.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o_b * torch.exp(lse_b - new).unsqueeze(-1))
+    lse.copy_(new)
 
 
-def _pairs(cp: int, rank: int, src: int):
-    """``(query half, key half, causal)`` sub-blocks with any visible key (the rest skipped)."""
-    out = []
-    for qa, a in enumerate(chunk_ids(cp, rank)):
-        for kb, b in enumerate(chunk_ids(cp, src)):
-            if b <= a:
-                out.append((qa, kb, b == a))
-    return out
+def _block(cp: int, rank: int, src: int, L: int) -> tuple[slice, slice, bool]:
+    """``(query rows, key rows, causal)`` of the one block rank ``rank`` computes against ``src``'s
+    K/V (module doc); the chunk pairs left out are fully masked."""
+    whole = slice(0, 2 * L)
+    if src == rank:
+        return whole, whole, True
+    return (whole, slice(0, L), False) if src < rank else (slice(L, 2 * L), whole, False)
 
 
 class _Ring:
-    """One rank's ring over the CP group (global ranks of its members)."""
+    """One rank's ring over the CP group (global ranks of its members); ``tile_elems`` and
+    ``fused`` choose the block kernel (:func:`_kernel`)."""
 
-    def __init__(self, group, ranks: list[int], tile_elems: int):
-        self.group, self.ranks, self.tile_elems = group, ranks, tile_elems
+    def __init__(self, group, ranks: list[int], tile_elems: int, fused: bool = True):
+        self.group, self.ranks, self.tile_elems, self.fused = group, ranks, tile_elems, fused
         self.cp, self.rank = len(ranks), dist.get_rank(group)
 
     def shift(self, tensors: list[torch.Tensor]):
@@ -104,90 +120,155 @@ def _expand(t, rep):
     return t.repeat_interleave(rep, dim=1) if rep > 1 else t
 
 
-TILE_ELEMS = 1 << 22  # score elements per tile (16 MiB in fp32): the ring's only quadratic buffer
+def _fold(t, rep, dtype):
+    """The gradient of :func:`_expand`: sums the ``rep`` heads of each group, in ``dtype``."""
+    return t.unflatten(1, (t.shape[1] // rep, rep)).sum(2, dtype=dtype) if rep > 1 else t.to(dtype)
 
 
-def _tiles(q_block: torch.Tensor, L: int, tile_elems: int):
-    """Row slices of a ``[b, H, L, d]`` query block so that one ``[b, H, rows, L]`` score tile
-    holds at most ``tile_elems`` elements (flash attention's tiling, on the query side)."""
-    b, H = q_block.shape[:2]
-    rows = max(1, min(L, tile_elems // max(1, b * H * L)))
-    return [slice(r, min(L, r + rows)) for r in range(0, L, rows)]
+TILE_ELEMS = 1 << 22  # score elements per tile (16 MiB in fp32): the explicit kernel's quadratic buffer
 
 
-def _probs(q, k, rows: slice, causal: bool, scale: float, lse=None):
-    """Scores of query ``rows`` against a key block, masked causally on the diagonal block
-    (query row ``i`` sees keys ``<= i``); then ``exp(S - lse)`` in place, with ``lse`` the
-    block's own log-sum-exp when not given. Returns ``(P, lse)``."""
-    s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)).mul_(scale)
-    if causal:
-        i = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
-        s.masked_fill_(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > i, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    return s.sub_(lse).exp_(), lse
+class _FlashCPU:
+    """PyTorch's CPU flash kernel: ``(o, lse)`` of a block, and its backward from the final rows."""
+    upcast = True  # runs in the accumulation dtype
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    @staticmethod
+    def backward(do, q, k, v, o, lse, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse, 0.0, causal, scale=scale)
+
+
+class _EfficientCUDA:
+    """The CUDA memory-efficient kernel (fp16, bf16, fp32; head size a multiple of 8), in the
+    input dtype, on contiguous inputs (called directly, it gets no SDPA alignment checks)."""
+    upcast = False
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                              scale=scale)
+        return o, lse[..., :q.shape[2]]  # its rows are padded to a multiple of 32
+
+    @staticmethod
+    def backward(do, q, k, v, o, lse, causal, scale):
+        do, q, k, v, o = (t.contiguous() for t in (do, q, k, v, o))
+        none = torch.empty(0, dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, o, lse, none, none, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+
+
+class _Explicit:
+    """The fallback: scores by matmul in query-row tiles of at most ``tile_elems`` elements
+    (flash attention's tiling on the query side), turned into probabilities in place."""
+    upcast = True
+
+    def __init__(self, tile_elems: int):
+        self.tile_elems = tile_elems
+
+    def _tiles(self, q, n_keys: int):
+        b, H, M = q.shape[:3]
+        rows = max(1, min(M, self.tile_elems // max(1, b * H * n_keys)))
+        return [slice(r, min(M, r + rows)) for r in range(0, M, rows)]
+
+    @staticmethod
+    def _probs(q, k, rows: slice, causal: bool, scale: float, lse=None):
+        """``exp(S - lse)`` of query ``rows`` (query ``i`` sees keys ``<= i`` when causal), ``lse``
+        the rows' own log-sum-exp unless given; returns ``(P, lse)``."""
+        s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)).mul_(scale)
+        if causal:
+            i = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
+            s.masked_fill_(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > i, float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(s, dim=-1)
+        return s.sub_(lse.unsqueeze(-1)).exp_(), lse
+
+    def forward(self, q, k, v, causal, scale):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
+        for rows in self._tiles(q, k.shape[2]):
+            p, lse[:, :, rows] = self._probs(q, k, rows, causal, scale)
+            o[:, :, rows] = torch.matmul(p, v)
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, causal, scale):
+        D = (do * o).sum(dim=-1, keepdim=True)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows in self._tiles(q, k.shape[2]):
+            p, _ = self._probs(q, k, rows, causal, scale, lse[:, :, rows])
+            dv += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
+            ds = torch.matmul(do[:, :, rows], v.transpose(-1, -2)).sub_(D[:, :, rows]).mul_(p)
+            del p
+            dq[:, :, rows] = torch.matmul(ds, k).mul_(scale)
+            dk += torch.matmul(ds.transpose(-1, -2), q[:, :, rows]).mul_(scale)
+        return dq, dk, dv
+
+
+def _kernel(q: torch.Tensor, ring):
+    """The block kernel for ``q`` (module doc): fused where the backend returns its log-sum-exp."""
+    if getattr(ring, "fused", True):
+        if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            return _FlashCPU
+        if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+                and q.shape[-1] % 8 == 0:
+            return _EfficientCUDA
+    return _Explicit(ring.tile_elems)
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of ``q [b, H, 2L, d]`` over the whole sequence whose K/V (``[b, G, 2L, d]``
-    per rank) are spread over the CP ring (see the module doc). Scores are computed in row tiles
-    (:func:`_tiles`, at most ``tile_elems`` elements) and turned into probabilities in place: a rank holds at most two score tiles
-    at once, whatever the sequence length."""
+    per rank) are spread over the CP ring (see the module doc): one block kernel call per ring
+    step, merged by log-sum-exp into fp32 ``(o, lse)``."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        rep, scale, L, acc = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2, _acc(q)
-        o = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=acc, device=q.device)
-        kv, qh = (k, v), [t.to(acc) for t in q.split(L, dim=2)]
+        kernel, acc = _kernel(q, ring), _acc(q)
+        work = acc if kernel.upcast else q.dtype
+        rep, scale, L = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
+        qw, kv, o, lse = q.to(work), (k, v), None, None
         for step in range(ring.cp):
             src = (ring.rank - step) % ring.cp
             nxt, wait = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
-            kh, vh = ([b.to(acc) for b in _expand(t, rep).split(L, dim=2)] for t in kv)
-            for qa, kb, causal in _pairs(ring.cp, ring.rank, src):
-                for rows in _tiles(qh[qa], L, ring.tile_elems):
-                    p, lse_b = _probs(qh[qa], kh[kb], rows, causal, scale)
-                    at = slice(qa * L + rows.start, qa * L + rows.stop)
-                    o[:, :, at], lse[:, :, at] = _merge(o[:, :, at], lse[:, :, at], torch.matmul(p, vh[kb]), lse_b)
-                    del p
+            rq, rk, causal = _block(ring.cp, ring.rank, src, L)
+            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+            o_b, lse_b = kernel.forward(qw[:, :, rq], ke, ve, causal, scale)
+            if o is None:  # step 0: the rank's own block covers every query row
+                o, lse = o_b.to(acc), lse_b.to(acc).contiguous()
+            else:
+                _merge(o[:, :, rq], lse[:, :, rq], o_b, lse_b)
+            del o_b, lse_b, ke, ve
             if wait is not None:
                 wait()
                 kv = tuple(nxt)
-        ctx.ring, ctx.rep = ring, rep
+        ctx.ring, ctx.rep, ctx.kernel = ring, rep, kernel
         ctx.save_for_backward(q, k, v, o, lse)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        ring, rep, acc = ctx.ring, ctx.rep, _acc(q)
+        ring, rep, kernel, acc = ctx.ring, ctx.rep, ctx.kernel, _acc(q)
+        work = acc if kernel.upcast else q.dtype
         scale, L = 1.0 / math.sqrt(q.shape[-1]), q.shape[2] // 2
-        do = do.to(acc)
-        D = (do * o).sum(dim=-1, keepdim=True)
+        qw, dow, ow = q.to(work), do.to(work), o.to(work)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv, grads = (k, v), [torch.zeros(k.shape, dtype=acc, device=k.device),
                              torch.zeros(v.shape, dtype=acc, device=v.device)]
-        qf = q.to(acc)
         for step in range(ring.cp):  # K/V travel ahead (CP - 1 hops); dK, dV follow their block home (CP hops)
             src = (ring.rank - step) % ring.cp
             nxt, wait_kv = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
-            ke, ve = _expand(kv[0], rep).to(acc), _expand(kv[1], rep).to(acc)
-            dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)
-            for qa, kb, causal in _pairs(ring.cp, ring.rank, src):
-                rk = slice(kb * L, (kb + 1) * L)
-                q_blk, do_blk = qf[:, :, qa * L:(qa + 1) * L], do[:, :, qa * L:(qa + 1) * L]
-                for rows in _tiles(q_blk, L, ring.tile_elems):
-                    at = slice(qa * L + rows.start, qa * L + rows.stop)
-                    p, _ = _probs(q_blk, ke[:, :, rk], rows, causal, scale, lse[:, :, at])
-                    dve[:, :, rk] += torch.matmul(p.transpose(-1, -2), do_blk[:, :, rows])
-                    ds = torch.matmul(do_blk[:, :, rows], ve[:, :, rk].transpose(-1, -2)).sub_(D[:, :, at]).mul_(p)
-                    del p
-                    dq[:, :, at] += torch.matmul(ds, ke[:, :, rk]).mul_(scale)
-                    dke[:, :, rk] += torch.matmul(ds.transpose(-1, -2), q_blk[:, :, rows]).mul_(scale)
-                    del ds
-            b, G = kv[0].shape[:2]
-            grads[0] += dke.view(b, G, rep, *dke.shape[2:]).sum(2)
-            grads[1] += dve.view(b, G, rep, *dve.shape[2:]).sum(2)
+            rq, rk, causal = _block(ring.cp, ring.rank, src, L)
+            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+            dq_b, dk_b, dv_b = kernel.backward(dow[:, :, rq], qw[:, :, rq], ke, ve, ow[:, :, rq],
+                                               lse[:, :, rq].contiguous(), causal, scale)
+            dq[:, :, rq] += dq_b
+            grads[0][:, :, rk] += _fold(dk_b, rep, acc)
+            grads[1][:, :, rk] += _fold(dv_b, rep, acc)
+            del dq_b, dk_b, dv_b, ke, ve
             grads, wait_grads = ring.shift(grads)
             wait_grads()
             if wait_kv is not None:
@@ -196,10 +277,10 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
 
 
-def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEMS):
+def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEMS, fused: bool = True):
     """:class:`RingAttention` over the CP group (``ranks``: its members' global ranks);
-    ``tile_elems``: the most score elements computed at once."""
-    return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems))
+    ``fused=False`` forces the explicit kernel, whose score tiles hold at most ``tile_elems``."""
+    return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems, fused))
 
 
 def _seq_to_heads(x, group, cp: int):

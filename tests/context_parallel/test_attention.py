@@ -31,18 +31,20 @@ def _cp_worker(rank, world, kind, tile_elems=None):
     topo = Topology(world, rank, cp=world).create_groups()
     q, k, v, do = (slice_for_rank(t, 2, world, rank) for t in _inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    if kind == "p2p":
+    if kind in ("p2p", "explicit"):  # the fused block kernel (CPU flash), or the explicit tiles
         extra = {"tile_elems": tile_elems} if tile_elems else {}
-        out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"], **extra)
+        out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"], fused=kind == "p2p", **extra)
     else:
         out = ulysses_attention(q, k, v, topo.group("cp"), world, enable_gqa=True)
     out.backward(do)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
-@pytest.mark.parametrize("cp,kind,tile", [(2, "p2p", None), (4, "p2p", None), (2, "a2a", None), (2, "p2p", 24)])
+@pytest.mark.parametrize("cp,kind,tile", [(2, "p2p", None), (4, "p2p", None), (2, "a2a", None), (4, "explicit", None),
+                                          (2, "explicit", 24)])
 def test_cp_attention_equals_full_causal_attention(cp, kind, tile):
-    """``tile`` 24 score elements, less than one query row (b H L = 32): one row per tile."""
+    """``p2p``: the fused block kernel; ``explicit``: the fallback, with ``tile`` 24 score
+    elements, less than one query row (b H L = 32): one row per tile."""
     ref = _reference()
     for rank, got in enumerate(run_distributed(_cp_worker, cp, kind, tile)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
