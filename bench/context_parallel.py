@@ -61,9 +61,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rss import peak_since_reset, reset_peak, rss_now, torchrun_peaks  # noqa: E402
+from context_parallel_process import MB, process_mode, ratio_text  # noqa: E402
+from rss import peak_since_reset, reset_peak, rss_now  # noqa: E402
 
-MB = 2 ** 20
 
 
 def count_comm(counts: collections.Counter) -> None:
@@ -131,7 +131,8 @@ def _attention_peak(o, seq: int, comm: str, topo) -> tuple[int, int]:
     import torch
     import torch.nn.functional as F
 
-    from megazero.context_parallel.attention import ring_attention, ulysses_attention
+    from megazero.context_parallel.ring import ring_attention
+    from megazero.context_parallel.ulysses import ulysses_attention
     cp, d, groups = topo.cp, o.hidden // o.heads, o.groups or o.heads
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, n, seq // cp, d, generator=g).requires_grad_() for n in (o.heads, groups, groups))
@@ -209,10 +210,6 @@ def run_config(o, seq: int, cp: int, comm: str) -> dict:
             "sent": sent, "formula": formulas(o, seq, cp), "load_before": load}
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}" if b else "-"
-
-
 def table(rows) -> str:
     """Markdown: one row per configuration; memory ratios against CP 1 at the same sequence."""
     base = {r["seq"]: r for r in rows if r["cp"] == 1}
@@ -225,58 +222,28 @@ def table(rows) -> str:
         sent = f"{s[kind] / MB:.1f} ({f[kind] / MB:.1f})" if kind else "-"
         out.append("| " + " | ".join([
             str(r["seq"]), str(r["cp"]), r["comm"], f"{r['step_peak'] / MB:.0f}",
-            _ratio(r["step_peak"], b["step_peak"]) if b else "-",
+            ratio_text(r["step_peak"], b["step_peak"]) if b else "-",
             f"{r['attention_fwd'] / MB:.0f} / {r['attention_bwd'] / MB:.0f}",
             f"{r['attention_fwd'] / f['block']:.1f} / {r['attention_bwd'] / f['block']:.1f}"
             if r["comm"] == "p2p" else "-",
-            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", _ratio(r["cpu_s"] * r["cp"], b["cpu_s"]) if b else "-",
+            f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", ratio_text(r["cpu_s"] * r["cp"], b["cpu_s"]) if b else "-",
             sent]) + " |")
     return "\n".join(out)
 
 
-PROCESS_FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-                 "--position-embedding-type rope --swiglu --attention-dropout 0.0 --hidden-dropout 0.0 "
-                 "--micro-batch-size 1 --global-batch-size 1 --train-iters 2 --lr 1e-4 --mock-data --vocab-size 512 "
-                 "--distributed-backend gloo --log-interval 1 --eval-iters 0 --eval-interval 1000").split()
-
-
-def process_mode(o) -> int:
-    """The whole-process figure: per rank, the median peak at each ``--seq`` minus the median peak
-    of the same layout at ``--base-seq``; the worst rank's; CPU: all ranks' seconds, the same way."""
-    import tempfile
-    runs = collections.defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(o.repeat):  # interleaved, so the box's load drifts over every configuration alike
-            for cp in o.cp:
-                for seq in (o.base_seq, *o.seq):
-                    flags = PROCESS_FLAGS + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                                             "--context-parallel-size", str(cp), "--cp-comm-type", o.comm[0]]
-                    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-                    prefix = os.path.join(tmp, f"{i}-{cp}-{seq}")
-                    runs[cp, seq].append(torchrun_peaks("pretrain_gpt.py", flags, cp, prefix, ROOT, env))
-    med = lambda cp, seq, key, r: statistics.median(run[r][key] for run in runs[cp, seq])  # noqa: E731
-    rows = []
-    for seq in o.seq:
-        for cp in o.cp:
-            deltas = [med(cp, seq, "peak", r) - med(cp, o.base_seq, "peak", r) for r in range(cp)]
-            cpu = [sum(run[r]["cpu"] for r in range(cp)) for run in runs[cp, seq]]
-            cpu0 = [sum(run[r]["cpu"] for r in range(cp)) for run in runs[cp, o.base_seq]]
-            rows.append({"seq": seq, "cp": cp, "delta": max(deltas), "deltas": deltas,
-                         "cpu_added": statistics.median(cpu) - statistics.median(cpu0),
-                         "peaks": [[r["peak"] for r in run] for run in runs[cp, seq]]})
-            print(json.dumps(dict(rows[-1], kind="process")), flush=True)
-    print("| seq | CP | peak RSS added, worst rank MiB | / CP 1 | every rank MiB | CPU s added, all ranks | / CP 1 |")
-    print("|---|---|---|---|---|---|---|")
+def print_targets(rows, o) -> None:
+    """The targets at the largest CP, per row: the ring's CPU time (per rank x CP) and the step peak."""
+    top = max(o.cp)
     for r in rows:
-        b = next(x for x in rows if x["seq"] == r["seq"] and x["cp"] == 1)
-        print(f"| {r['seq']} | {r['cp']} | {r['delta'] / MB:.0f} | {_ratio(r['delta'], b['delta'])} | "
-              f"{' / '.join(f'{d / MB:.0f}' for d in r['deltas'])} | {r['cpu_added']:.1f} | "
-              f"{_ratio(r['cpu_added'], b['cpu_added'])} |")
-        if r["cp"] == max(o.cp) > 1:
-            ratio = r["delta"] / b["delta"]
-            print(f"target seq {r['seq']} CP {r['cp']} process peak: {ratio:.2f} x CP 1 (target <= {o.target}): "
-                  f"{'met' if ratio <= o.target else 'not met'}")
-    return 0
+        base = next((b for b in rows if b["seq"] == r["seq"] and b["cp"] == 1), None)
+        if not (base and r["cp"] == top > 1):
+            continue
+        checks = [("step peak", r["step_peak"] / base["step_peak"], o.target)]
+        if r["comm"] == "p2p":
+            checks.insert(0, ("CPU time (per rank x CP)", r["cpu_s"] * top / base["cpu_s"], o.cpu_target))
+        for what, ratio, target in checks:
+            print(f"target seq {r['seq']} CP {top} {r['comm']}: {what} {ratio:.2f} x CP 1 (target <= {target}): "
+                  f"{'met' if ratio <= target else 'not met'}")
 
 
 def main(argv=None) -> int:
@@ -299,7 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="--process: runs of each configuration (medians)")
     o = p.parse_args(argv)
     if o.process:
-        return process_mode(o)
+        return process_mode(o, ROOT)
     rows = []
     for seq in o.seq:
         for cp in o.cp:
@@ -307,19 +274,7 @@ def main(argv=None) -> int:
                 rows.append(run_config(o, seq, cp, comm))
                 print(json.dumps(dict(rows[-1], kind="cp")), flush=True)
     print(table(rows))
-    top = max(o.cp)
-    for r in rows:
-        base = next((b for b in rows if b["seq"] == r["seq"] and b["cp"] == 1), None)
-        if r["cp"] == top > 1 and base and r["comm"] == "p2p":
-            ratio = r["cpu_s"] * top / base["cpu_s"]
-            print(f"target seq {r['seq']} CP {top} p2p: CPU time (per rank x CP) {ratio:.2f} x CP 1 "
-                  f"(target <= {o.cpu_target}): {'met' if ratio <= o.cpu_target else 'not met'}")
-    for r in rows:
-        base = next((b for b in rows if b["seq"] == r["seq"] and b["cp"] == 1), None)
-        if r["cp"] == top > 1 and base:
-            ratio = r["step_peak"] / base["step_peak"]
-            print(f"target seq {r['seq']} CP {top} {r['comm']}: step peak {ratio:.2f} x CP 1 "
-                  f"(target <= {o.target}): {'met' if ratio <= o.target else 'not met'}")
+    print_targets(rows, o)
     if o.json:
         with open(o.json, "w") as f:
             json.dump(rows, f, indent=1)

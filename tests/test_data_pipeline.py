@@ -236,7 +236,7 @@ def test_context_parallel_ranks_get_their_chunks_only(masks):
     """CP 2 (S 12: chunks of 3): rank r holds chunks r and 3 - r of every entry, the masks and
     reset positions computed on the whole sequence first; without masks the positions are the
     chunks' true positions."""
-    from megazero.context_parallel.attention import slice_for_rank
+    from megazero.context_parallel.chunks import slice_for_rank
     full = source(CountingDataset(8), 0, topo(), masks=masks).next_batch(2)
     for rank in (0, 1):
         t = SimpleNamespace(dp=1, dp_rank=0, cp=2, cp_rank=rank, is_first_stage=True, is_last_stage=True)

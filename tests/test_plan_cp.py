@@ -10,7 +10,8 @@ import torch
 
 from megazero import planner as plan
 from megazero.model import GPTConfig, GPTModel
-from megazero.context_parallel import attention as cpa
+from megazero.context_parallel import ring as cpa
+from megazero.context_parallel import ulysses
 from megazero.planner import cp_memory
 from megazero.model.stages import expert_parallel_params
 from megazero.parallel.topology import Topology
@@ -81,11 +82,11 @@ class _AllToAll(torch.autograd.Function):
 @pytest.mark.parametrize("cp,dtype", [(2, torch.bfloat16), (4, torch.float32)])
 def test_ulysses_traffic_is_its_all_to_alls(monkeypatch, cp, dtype):
     """q, k, v and the output each cross (CP - 1)/CP of themselves, and their gradients back."""
-    monkeypatch.setattr(cpa, "all_to_all", lambda x, group, out_splits, in_splits: _AllToAll.apply(x, len(in_splits)))
+    monkeypatch.setattr(ulysses, "all_to_all", lambda x, group, out_splits, in_splits: _AllToAll.apply(x, len(in_splits)))
     _AllToAll.sent = []
     shape, A = _shape(cp_comm_type="a2a", num_query_groups=8), torch.tensor([], dtype=dtype).element_size()
     q, k, v, do = _qkv(shape, cp, dtype)
-    out = cpa.ulysses_attention(q, k, v, None, cp, enable_gqa=False)
+    out = ulysses.ulysses_attention(q, k, v, None, cp, enable_gqa=False)
     forward = sum(_AllToAll.sent)
     out.backward(do)
     assert len(_AllToAll.sent) == 8 and sum(_AllToAll.sent) == 2 * forward
@@ -110,11 +111,11 @@ def saved_beyond_inputs(fn, inputs) -> int:
 @pytest.mark.parametrize("kind", ["p2p", "a2a"])
 def test_cp_attention_keeps_its_output_and_log_sum_exp(monkeypatch, kind):
     """Ring: its fp32 output and log-sum-exp; Ulysses: SDPA's output and fp32 log-sum-exp."""
-    monkeypatch.setattr(cpa, "all_to_all", lambda x, group, out_splits, in_splits: _AllToAll.apply(x, len(in_splits)))
+    monkeypatch.setattr(ulysses, "all_to_all", lambda x, group, out_splits, in_splits: _AllToAll.apply(x, len(in_splits)))
     shape, cp = _shape(cp_comm_type=kind), 2
     q, k, v, _ = _qkv(shape, cp, torch.bfloat16)
     run = (lambda: cpa.RingAttention.apply(q, k, v, _Ring(cp, 0))) if kind == "p2p" else \
-        (lambda: cpa.ulysses_attention(q, k, v, None, cp, enable_gqa=True))
+        (lambda: ulysses.ulysses_attention(q, k, v, None, cp, enable_gqa=True))
     got = saved_beyond_inputs(run, (q, k, v))
     assert got == plan.cp_attention_kept_bytes(shape, shape.seq_length // cp, B, TP, cp, 2)
     assert plan.cp_attention_kept_bytes(shape, 16, B, TP, 1, 2) == 0

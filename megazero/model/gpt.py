@@ -39,7 +39,7 @@ from megazero.tensor_parallel.mappings import group_rank, group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .config import GPTConfig
-from megazero.context_parallel.attention import positions_for_rank
+from megazero.context_parallel.chunks import positions_for_rank
 from .transformer import Norm, TransformerLayer, rope_cos_sin
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"

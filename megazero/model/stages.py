@@ -20,7 +20,7 @@ from megazero.parallel.layout import chunk_layer_ranges, chunk_roles, pipeline_t
 from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
 
-from megazero.context_parallel.attention import slice_for_rank
+from megazero.context_parallel.chunks import slice_for_rank
 from .gpt import WORD_EMBEDDING
 
 
@@ -232,7 +232,7 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     An ``attention_mask`` in the micro-batch (``--reset-attention-mask``) reaches every layer.
 
     Context parallelism (``chunk.topo.cp > 1``): the rank keeps its load-balanced chunks of
-    whole-sequence entries (:func:`~megazero.context_parallel.attention.slice_for_rank`; the training
+    whole-sequence entries (:func:`~megazero.context_parallel.chunks.slice_for_rank`; the training
     data source delivers them sliced already) and its loss is
     ``CP * sum_local(loss * mask) / sum_all(mask)`` (the mask count summed over the CP group, no
     gradient): the mean over the CP ranks -- which the DP x CP gradient average and the logged

@@ -36,6 +36,8 @@ from megazero.tensor_parallel.activations import activate
 from megazero.tensor_parallel.mappings import group_size
 from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
+from megazero.context_parallel.ring import ring_attention
+from megazero.context_parallel.ulysses import ulysses_attention
 from megazero.moe.layer import MoELayer
 
 from .config import GPTConfig
@@ -141,8 +143,7 @@ class Attention(nn.Module):
 
     def context_parallel_attention(self, q, k, v, attention_mask=None):
         """Causal attention over the whole sequence spread on the CP group
-        (:mod:`~megazero.context_parallel.attention`): the ring (``p2p``) or all-to-all (``a2a``)."""
-        from megazero.context_parallel.attention import ring_attention, ulysses_attention
+        (:mod:`megazero.context_parallel.ring`, :mod:`~megazero.context_parallel.ulysses`): the ring (``p2p``) or all-to-all (``a2a``)."""
         if attention_mask is not None:
             raise ValueError("--reset-attention-mask is not supported with context parallelism")
         if self.config.cp_comm_type == "a2a":

@@ -17,7 +17,7 @@ largest, reduce-scatter is an all-reduce and a slice (the ``all_reduce+slice`` f
 mappings use, :mod:`megazero.parallel.primitives`).
 
 Used by the MoE dispatchers (:mod:`megazero.moe.dispatch`) and by context parallelism's
-all-to-all attention (:mod:`megazero.context_parallel.attention`).
+all-to-all attention (:mod:`megazero.context_parallel.ulysses`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ layer keeps for one micro-batch of ``s`` tokens, ``b`` micro-batch, ``h`` hidden
     full           2 s b h (/t with SP) per recomputed block, plus one block's activations while
                    it is recomputed (:func:`chunk_activation_bytes`)
 
-**Context parallelism** (``CP`` ranks, :mod:`megazero.context_parallel.attention`). A rank holds
+**Context parallelism** (``CP`` ranks, :mod:`megazero.context_parallel.ring`, :mod:`~megazero.context_parallel.ulysses`). A rank holds
 ``s' = s / CP`` tokens of each sequence, so every per-token figure -- the layers' activations,
 the embedding's masks, the logits, the TP, PP and expert-dispatch traffic -- is the CP 1 figure
 at ``s'``. The attention (CP needs attention dropout 0) keeps no ``a s^2`` scores, whether the

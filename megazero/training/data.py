@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config.configs import DataConfig, ScheduleConfig
-from megazero.context_parallel.attention import slice_for_rank
+from megazero.context_parallel.chunks import slice_for_rank
 from megazero.parallel.topology import Topology
 
 
@@ -187,7 +187,7 @@ class MicroBatchSource:
     ``attention_mask`` ``[b, 1, s, s]`` with ``masks``); a stage that needs no sample gets ``{}``
     and reads nothing (it still raises when the samples run out, as the others do). Under context
     parallelism each entry holds only this CP rank's load-balanced chunks of the sequence
-    (:func:`~megazero.context_parallel.attention.slice_for_rank`, on the reader thread: the masks and
+    (:func:`~megazero.context_parallel.chunks.slice_for_rank`, on the reader thread: the masks and
     positions are made on the whole sequence first), ``[b, s / CP]``.
 
     ``num_workers`` (``--num-workers``): 0 reads on the calling thread inside :meth:`next_batch`;

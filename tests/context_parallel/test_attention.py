@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.context_parallel.attention import chunk_ids, positions_for_rank, ring_attention, slice_for_rank, \
-    ulysses_attention
+from megazero.context_parallel.chunks import chunk_ids, positions_for_rank, slice_for_rank
+from megazero.context_parallel.ring import ring_attention
+from megazero.context_parallel.ulysses import ulysses_attention
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megazero.model.context_parallel import ring_attention
+from megazero.context_parallel.ring import ring_attention
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
 

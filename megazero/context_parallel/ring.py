@@ -1,11 +1,6 @@
-"""Context parallelism: one sequence split over ``CP`` ranks, and causal attention across them.
+"""Causal attention across the CP ranks of one sequence, by a ring of key/value blocks.
 
-**Load-balanced layout.** The ``s`` positions are cut into ``2 CP`` chunks of ``L = s / (2 CP)``;
-CP rank ``r`` holds chunks ``r`` and ``2 CP - 1 - r`` (:func:`chunk_ids`), concatenated. Under a
-causal mask chunk ``c`` attends to ``c + 1`` chunks, so every rank does ``2 CP + 1`` chunk-pairs
-of work (Megatron-core's layout, ``get_batch_on_this_cp_rank``). Tokens, labels, loss mask and
-positions are sliced the same way (:func:`slice_for_rank`); RoPE and learned positions use each
-token's true position.
+The sequence layout is :mod:`.chunks`' (rank ``r`` holds chunks ``r`` and ``2 CP - 1 - r``).
 
 **Ring attention** (``p2p``, :class:`RingAttention`). Each rank keeps its queries; the key/value
 blocks travel around the ring (``isend`` to ``r + 1``, ``irecv`` from ``r - 1``, the next block in
@@ -36,11 +31,6 @@ SDPA kernel, no ``L x L`` buffer. CUDA, fp16 / bf16 / fp32, ``d % 8 == 0``:
 ``aten._scaled_dot_product_efficient_attention`` / ``..._backward`` in the input dtype. Elsewhere
 (or ``fused=False``): explicit matmul / ``exp`` in fp32 query-row tiles of at most ``TILE_ELEMS``
 score elements (:class:`_Explicit`).
-
-**All-to-all** (``a2a``, DeepSpeed-Ulysses, :func:`ulysses_attention`): an all-to-all turns
-``[b, H, s/CP, d]`` (sequence-sharded) into ``[b, H/CP, s, d]`` (head-sharded), the chunks are put
-back in order, ordinary causal attention runs on whole sequences, and the inverse all-to-all
-returns the layout; needs ``H`` and the query groups ``G`` divisible by ``CP``.
 """
 
 from __future__ import annotations
@@ -49,31 +39,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-
-from megazero.parallel.exchange import all_to_all
-
-
-def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
-    """The two sequence chunks (of ``2 CP``) CP rank ``rank`` holds."""
-    return rank, 2 * cp - 1 - rank
-
-
-def slice_for_rank(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    """This CP rank's chunks of ``t`` along its sequence dimension ``dim``, concatenated."""
-    if cp == 1:
-        return t
-    if t.shape[dim] % (2 * cp):
-        raise ValueError(f"sequence length {t.shape[dim]} is not divisible by 2 x CP = {2 * cp}")
-    chunks = t.chunk(2 * cp, dim=dim)
-    return torch.cat([chunks[c] for c in chunk_ids(cp, rank)], dim=dim)
-
-
-def positions_for_rank(s_local: int, cp: int, rank: int, device) -> torch.Tensor:
-    """The true positions (``[s_local]``) of this rank's tokens."""
-    L = s_local // 2
-    return torch.cat([torch.arange(c * L, (c + 1) * L, device=device) for c in chunk_ids(cp, rank)])
-
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype: fp32, or the input's when wider (fp64 tests)."""
@@ -281,38 +246,3 @@ def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEM
     """:class:`RingAttention` over the CP group (``ranks``: its members' global ranks);
     ``fused=False`` forces the explicit kernel, whose score tiles hold at most ``tile_elems``."""
     return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems, fused))
-
-
-def _seq_to_heads(x, group, cp: int):
-    """``[b, n, s_l, d]`` -> ``[b, n / CP, CP s_l, d]`` (sources' blocks in CP-rank order)."""
-    b, n, s_l, d = x.shape
-    parts = x.reshape(b, cp, n // cp, s_l, d).transpose(0, 1).reshape(cp * b * (n // cp), s_l, d)
-    got = all_to_all(parts, group, [b * (n // cp)] * cp, [b * (n // cp)] * cp)
-    return got.reshape(cp, b, n // cp, s_l, d).permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * s_l, d)
-
-
-def _heads_to_seq(x, group, cp: int):
-    """Inverse of :func:`_seq_to_heads`."""
-    b, n_l, s, d = x.shape
-    s_l = s // cp
-    parts = x.reshape(b, n_l, cp, s_l, d).permute(2, 0, 1, 3, 4).reshape(cp * b * n_l, s_l, d)
-    got = all_to_all(parts, group, [b * n_l] * cp, [b * n_l] * cp)
-    return got.reshape(cp, b, n_l, s_l, d).transpose(0, 1).reshape(b, cp * n_l, s_l, d)
-
-
-def _natural_order(cp: int) -> list[int]:
-    """Chunk order after the all-to-all (rank 0's two, rank 1's two, ...) -> position of each
-    natural chunk in it."""
-    arrived = [c for r in range(cp) for c in chunk_ids(cp, r)]
-    return [arrived.index(c) for c in range(2 * cp)]
-
-
-def ulysses_attention(q, k, v, group, cp: int, enable_gqa: bool):
-    """Causal attention by two all-to-alls over the CP group (see the module doc)."""
-    order = _natural_order(cp)
-    inverse = [order.index(i) for i in range(2 * cp)]
-    q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))
-    q, k, v = (torch.cat([t.chunk(2 * cp, dim=2)[i] for i in order], dim=2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    out = torch.cat([out.chunk(2 * cp, dim=2)[i] for i in inverse], dim=2)
-    return _heads_to_seq(out, group, cp)
