@@ -40,7 +40,8 @@ from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .config import GPTConfig
 from megazero.context_parallel.chunks import positions_for_rank
-from .transformer import Norm, TransformerLayer, rope_cos_sin
+from .attention import rope_cos_sin
+from .transformer import Norm, TransformerLayer
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
