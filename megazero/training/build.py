@@ -171,7 +171,8 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(config.flags.items())))
     if ck.load:
         trainer.load()
-    line = resume_line(ck.load, trainer.iteration, trainer.consumed_samples) if launch.rank == 0 else None
+    resumed = launch.rank == 0 and not ck.finetune  # --finetune starts a new run at iteration 0
+    line = resume_line(ck.load, trainer.iteration, trainer.consumed_samples) if resumed else None
     if line:  # a restarted attempt, or a record of the folder ahead of its checkpoint: what is redone
         print(line, flush=True)
     return trainer
