@@ -7,12 +7,13 @@
   folder, and not with ``--finetune``, which restarts at iteration 0), or with
   ``--overwrite-checkpoints``; otherwise a new run would overwrite its iterations and move its
   pointer back.
-* ``<save>/megazero.lock`` holds ``host pid time slurm-job-id`` of the run saving there (written by rank 0,
+* ``<save>/megazero.lock`` holds ``host pid time launch`` of the run saving there (written by rank 0,
   exclusively created, its time refreshed every :data:`REFRESH_S` seconds by a daemon thread). A
   second run refuses to start while the lock is live. A lock is stale, and is taken over with one
   line saying so, when its process is gone (same host, pid not alive) or it has not been refreshed
   for :data:`STALE_S` seconds (a dead host), or it was written by an earlier attempt of the same
-  SLURM job (a requeue, possibly on another node). The same process may claim its own lock again.
+  launch (:func:`launch_identity`: a SLURM requeue, or a ``torchrun --max-restarts`` restart whose
+  rank 0 is now on another node). The same process may claim its own lock again.
 * The file system of ``--save`` must have room for one checkpoint, ``(p + 12) Φ`` bytes
   (:func:`megazero.config.path_checks.checkpoint_bytes`), checked with the flags
   (``pretrain_gpt.py`` passes :func:`megazero.config.path_checks.check_free_space` to
@@ -118,8 +119,19 @@ def check_overwrite(save: str, load: str | None, overwrite: bool, finetune: bool
                           "--overwrite-checkpoints")
 
 
+def launch_identity(env=os.environ) -> str:
+    """What every attempt of one launch shares, and no other live launch: SLURM's job id (a
+    requeue keeps it), else torchrun's ``torchrun:<TORCHELASTIC_RUN_ID>@<MASTER_ADDR>:<MASTER_PORT>``
+    (a restart keeps its run id and its agent's store address), else ``-``."""
+    if env.get("SLURM_JOB_ID"):
+        return env["SLURM_JOB_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}@{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return "-"
+
+
 def _job() -> str:
-    return os.environ.get("SLURM_JOB_ID", "-")
+    return "".join(launch_identity().split()) or "-"  # one field of the lock's line
 
 
 def _read_lock(path: str):
@@ -151,8 +163,9 @@ def lock_state(path: str):
         return None, None
     if host == me and not _pid_alive(pid):
         return None, f"process {pid} on {host} is gone"
-    if job != "-" and job == _job():  # a requeued SLURM job, maybe on another node: its earlier attempt
-        return None, f"an earlier attempt of SLURM job {job} (process {pid} on {host})"
+    if job != "-" and job == _job():  # a requeued SLURM job or a restarted torchrun, maybe on another node
+        launch = job if job.startswith("torchrun:") else f"SLURM job {job}"
+        return None, f"an earlier attempt of {launch} (process {pid} on {host})"
     age = time.time() - max(stamp, os.path.getmtime(path))
     if age > STALE_S:
         return None, f"not refreshed for {age:.0f} s (process {pid} on {host})"

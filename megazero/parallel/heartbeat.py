@@ -6,7 +6,8 @@ but the error they raise names a socket, not a rank, and a rank blocked inside a
 runs a Python signal handler. The watchdog adds both answers:
 
 * **Heartbeats.** Every ``interval_s`` each rank adds 1 to its counter ``<prefix>/<rank>`` in the
-  rendezvous store (its own client connection) and reads the counters of the ``watch`` ranks after
+  rendezvous store (``prefix``: the launch attempt's, given by
+  :func:`megazero.parallel.launch.init_distributed`, so a restart never reads a killed attempt's counters) (its own client connection) and reads the counters of the ``watch`` ranks after
   it on the ring ``rank+1 .. rank+watch (mod world)``, so every rank is watched by ``watch``
   others at O(watch) store reads per rank and interval. A counter that has not moved for
   ``timeout_s - 2 interval_s`` (a rank stopped by SIGSTOP, a wedged GPU or NFS mount, a dead
@@ -40,11 +41,6 @@ import torch.distributed as dist
 ENDED = -(10 ** 12)  # added to a counter when its rank ends: negative means "gone on purpose"
 
 
-def key_prefix(env=os.environ) -> str:
-    """Store keys of this launch attempt (torchrun restarts reuse the store)."""
-    return f"megazero/heartbeat/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 class Heartbeat:
     """One rank's watchdog; :meth:`start` from the main thread after the process group exists."""
 
@@ -57,7 +53,7 @@ class Heartbeat:
         # (a watcher sees a beat up to one interval late), so the rank is named before they say "timed out"
         self.silent_s = max(2 * self.interval_s, timeout_s - 2 * self.interval_s)
         self.peers = [(rank + i) % world_size for i in range(1, min(watch, world_size - 1) + 1)]
-        self.grace_s, self.prefix = grace_s, prefix or key_prefix()
+        self.grace_s, self.prefix = grace_s, prefix or "megazero/heartbeat"
         self.stopped = threading.Event()
         self.store = None
         self.wake_r = self.wake_w = None

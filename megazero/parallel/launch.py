@@ -17,6 +17,14 @@ otherwise the cores are divided evenly.
 Every launched rank (world > 1) starts a :class:`~megazero.parallel.heartbeat.Heartbeat` on the
 rendezvous store with the run's timeout: a stopped rank is named by its watchers, and SIGTERM ends
 a rank blocked in a collective (``MEGAZERO_HEARTBEAT=0`` turns it off).
+
+**Restarts.** ``torchrun --max-restarts N`` restarts the ranks of a failed attempt against the
+same store (its agent hosts it at ``MASTER_PORT`` and keeps it across attempts; the workers get
+``TORCHELASTIC_USE_AGENT_STORE=True``), so every key of this module -- the process group's
+addresses and the heartbeats -- lives under the attempt's own prefix (:func:`attempt_prefix`):
+a restarted rank never reads a killed attempt's address. Under the agent store every rank is a
+client of it, as torch's own ``env://`` does (``torch/distributed/rendezvous.py:
+_create_c10d_store``); otherwise rank 0 hosts the store, a new one per attempt.
 """
 
 from __future__ import annotations
@@ -84,6 +92,39 @@ def detect_launch(env=os.environ) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")
 
 
+def restart_counts(env=os.environ) -> tuple[int, int]:
+    """``(SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT)``: how often SLURM has requeued this
+    job and how often torchrun has restarted this node's worker group (0 when unset)."""
+    counts = []
+    for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        value = env.get(name, "").strip() or "0"
+        if not value.isdigit():
+            raise ValueError(f"{name}={value!r}: expected a restart count (an integer >= 0)")
+        counts.append(int(value))
+    return counts[0], counts[1]
+
+
+def attempt_prefix(env=os.environ) -> str:
+    """The rendezvous-store prefix of this launch attempt, ``megazero/requeue<S>/attempt<T>``
+    (:func:`restart_counts`): the keys of a killed attempt stay in torchrun's store, under its
+    own prefix."""
+    requeues, restarts = restart_counts(env)
+    return f"megazero/requeue{requeues}/attempt{restarts}"
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: timedelta, env=os.environ) -> dist.Store:
+    """This attempt's store for the process group: a private ``HashStore`` for one process; else
+    the TCP store at ``MASTER_ADDR:MASTER_PORT`` -- torchrun's agent's when it says so
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank a client), else hosted by rank 0 -- seen
+    through :func:`attempt_prefix`."""
+    if launch.world_size == 1:  # one process (also `WORLD_SIZE=1 RANK=0`): no port to bind or share
+        return dist.HashStore()
+    agent = launch.source == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=launch.rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(attempt_prefix(env), store)
+
+
 def threads_per_rank(local_world_size: int, cores: int | None = None, env=os.environ) -> int:
     """Intra-op threads of a CPU rank: ``OMP_NUM_THREADS`` when set (as PyTorch itself reads it;
     torchrun sets 1 when it starts several processes per node), else an even share of the node's
@@ -100,7 +141,8 @@ def threads_per_rank(local_world_size: int, cores: int | None = None, env=os.env
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
                      env=os.environ) -> tuple[LaunchEnv, torch.device]:
-    """Initialize the default process group; return the launch facts and this rank's device."""
+    """Initialize the default process group on this attempt's store (:func:`rendezvous_store`);
+    return the launch facts and this rank's device."""
     if dist.is_initialized():  # already started (tests, or an embedding application)
         launch = detect_launch(env)
         launch = LaunchEnv(dist.get_rank(), dist.get_world_size(), launch.local_rank,
@@ -120,18 +162,14 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 10.0,
         device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank(launch.local_world_size, env=env))
     timeout = timedelta(minutes=timeout_minutes)
-    if launch.world_size == 1:  # one process (also `WORLD_SIZE=1 RANK=0`): no port to bind or share
-        store = dist.HashStore()
-    else:
-        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                              is_master=launch.rank == 0, timeout=timeout)
+    store = rendezvous_store(launch, timeout, env)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                             timeout=timeout, **kwargs)
     if launch.world_size > 1 and env.get("MEGAZERO_HEARTBEAT", "1") != "0":
         try:  # names a silent rank; ends a blocked one on SIGTERM
             Heartbeat(launch.master_addr, launch.master_port, launch.rank, launch.world_size,
-                      timeout_s=timeout_minutes * 60).start()
+                      timeout_s=timeout_minutes * 60, prefix=f"{attempt_prefix(env)}/heartbeat").start()
         except Exception as e:  # noqa: BLE001 - the run still has the collective timeouts
             print(f"rank {launch.rank}: heartbeat not started ({e}); a stalled rank is reported by the "
                   "collective timeout only", flush=True)

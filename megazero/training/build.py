@@ -41,7 +41,8 @@
 8. **Pipeline runner**: the schedule plan, the p2p communicator and the activation shape, built
    once for the run.
 9. **Logger and Trainer**; then **load** ``--load`` last, because loading writes into the
-   optimizer's master shards and the schedule's step count.
+   optimizer's master shards and the schedule's step count. A restarted attempt (torchrun,
+   SLURM requeue) says which one it is and what it redoes (:mod:`megazero.training.restart`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from megazero.config.rank import current_rank
 from megazero.parallel.launch import init_distributed
 from megazero.parallel.topology import Topology
 from megazero.training.data import build_datasets, vocab_size_of
+from megazero.training.restart import resume_line
 from megazero.zero.host_memory import return_freed_memory, unit_threshold
 
 
@@ -169,4 +171,8 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     trainer.tb.text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(config.flags.items())))
     if ck.load:
         trainer.load()
+    resumed = launch.rank == 0 and not ck.finetune  # --finetune starts a new run at iteration 0
+    line = resume_line(ck.load, trainer.iteration, trainer.consumed_samples) if resumed else None
+    if line:  # a restarted attempt, or a record of the folder ahead of its checkpoint: what is redone
+        print(line, flush=True)
     return trainer

@@ -11,6 +11,7 @@ from datetime import datetime
 import torch
 
 from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
+from megazero.training.restart import write_progress
 from megazero.optim.lr_schedule import learning_rates
 
 
@@ -45,7 +46,21 @@ class TrainerLogging:
                 self.tb.scalars({"iteration-time": seconds_per_iter,
                                  "throughput": tflops if log.throughput else None},
                                 self.iteration, self.consumed_samples)
+            self._record_progress()
         stats.reset()
+
+    def _record_progress(self) -> None:
+        """With ``--save``: the iteration just logged, beside the checkpoints, for a restarted
+        attempt to say what it redoes (:mod:`megazero.training.restart`). A folder that cannot be
+        written is said once; the checkpoint's own save reports it as an error."""
+        save = self.config.checkpoint.save
+        if not save or getattr(self, "progress_unwritable", False):
+            return
+        try:
+            write_progress(save, self.iteration, self.consumed_samples)
+        except OSError as e:
+            self.progress_unwritable = True
+            print(f"WARNING: rank {self.rank}: cannot record progress in {save} ({e}); training goes on", flush=True)
 
     def _tensorboard_step(self, lm: float | None, batch_size: int, *, grad_norm: float | None,
                           num_zeros: float | None = None, params_norm: float | None = None,

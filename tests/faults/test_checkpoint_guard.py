@@ -137,3 +137,19 @@ def test_a_requeued_slurm_job_takes_over_its_own_lock(tmp_path):
     (tmp_path / LOCK_NAME).write_text(f"other-node 1 {time.time():.0f} 4242\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert out.returncode == 1 and "another run (process 1 on other-node)" in out.stderr
+
+
+def test_a_restarted_torchrun_takes_over_its_own_lock(tmp_path):
+    """torchrun --max-restarts: the earlier attempt's rank 0 may have run on another node."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    env.update(TORCHELASTIC_RUN_ID="r1", MASTER_ADDR="node0", MASTER_PORT="29500")
+    code = ("import sys; from megazero.checkpoint.guard import claim_lock; "
+            f"claim_lock({str(tmp_path)!r})")
+    for port, taken in (("29500", True), ("29501", False)):  # another port: another launch, live
+        (tmp_path / LOCK_NAME).write_text(f"other-node 1 {time.time():.0f} torchrun:r1@node0:{port}\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                             timeout=60)
+        if taken:
+            assert out.returncode == 0 and "earlier attempt of torchrun:r1@node0:29500" in out.stdout, out.stderr
+        else:
+            assert out.returncode == 1 and "another run (process 1 on other-node)" in out.stderr
