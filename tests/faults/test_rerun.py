@@ -78,6 +78,22 @@ def test_transient_nan_gradient_continues_with_the_fault_free_losses(tmp_path, c
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
+LAYOUTS = [["--pipeline-model-parallel-size", "2"],
+           ["--zero-stage", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+           ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"]]
+
+
+def test_a_transient_fault_is_exact_under_pp_zero3_dropout_and_moe(capfd):
+    """The re-run restores what the first run changed: p2p schedule, stage-3 gathers, dropout RNG,
+    the MoE expert counts and metrics."""
+    results = last_rank(2, *[(faults, argv) for argv in LAYOUTS for faults in ("", "nan_grad:rank=1:iteration=2:runs=1")])
+    for argv, clean, transient in zip(LAYOUTS, results[0::2], results[1::2]):
+        assert clean[0] == transient[0] == 0 and len(clean[1]) == 4, argv
+        assert losses(transient[1]) == losses(clean[1]), argv
+    assert capfd.readouterr().out.count("> iteration 2: a transient fault (") == len(LAYOUTS), "each was re-run"
+
+
 def test_megatron_error_injection_transient_and_persistent(capfd):
     clean, transient, persistent = last_rank(
         2, ("", []), ("", ["--error-injection-rate", "1"]),
