@@ -25,6 +25,7 @@ rank, names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -156,11 +157,17 @@ def compare(a, b: torch.Tensor) -> torch.Tensor:
     nan_a, nan_b, inf_a, inf_b = torch.isnan(a), torch.isnan(b), torch.isinf(a), torch.isinf(b)
     equal = (a == b) | (nan_a & nan_b)
     mismatch = (nan_a ^ nan_b) | (inf_a ^ inf_b) | (nan_a & inf_b) | (inf_a & nan_b)
-    rel = torch.nan_to_num(torch.abs((a - b) / (a + b) * 2), nan=float("inf"))
+    rel = torch.nan_to_num(torch.abs((a - b) / (a + b) * 2), nan=float("inf"), posinf=float("inf"))
     inf = torch.full_like(b, float("inf"))
     return torch.where(equal, torch.zeros_like(b), torch.where(mismatch, inf, rel))
 
 
 def compare_floats(a: float, b: float) -> float:
-    """:func:`compare` on the host, for the messages."""
-    return float(compare(a, torch.tensor(b, dtype=torch.float32)).tolist())
+    """:func:`compare` on the host (for the messages), in plain Python as Megatron writes it."""
+    nan_a, nan_b, inf_a, inf_b = math.isnan(a), math.isnan(b), math.isinf(a), math.isinf(b)
+    if a == b or (nan_a and nan_b):
+        return 0.0
+    if nan_a != nan_b or inf_a != inf_b or (nan_a and inf_b) or (inf_a and nan_b) or a + b == 0:
+        return math.inf
+    rel = abs((a - b) / (a + b) * 2)
+    return math.inf if math.isnan(rel) else rel

@@ -137,6 +137,20 @@ def test_spiky_loss_and_large_grads_rerun_and_continue(capfd):
     assert "at iteration #9 invocation #1 (message='found unexpected large grads in bucket #" in out
 
 
+def test_the_spike_rule_and_the_comparison_are_megatron_s():
+    """``is_unexpectedly_large``: the first 100 finite |values| are samples (NaN/Inf skipped),
+    then ``>= 10 x`` their maximum is flagged; ``_compare_floats``: NaN equals NaN, one-sided
+    NaN/Inf is inf, else the relative difference."""
+    import torch
+    from megazero.training.result_checks import RunningMax, compare, compare_floats
+    spikes = RunningMax("cpu").flags(torch.tensor([1.0] * 99 + [float("nan"), 2.0, 19.9, 20.0, -25.0, float("inf")]))
+    assert spikes.tolist() == [False] * 102 + [True, True, False]
+    nan, inf = float("nan"), float("inf")
+    for a, b, want in [(nan, nan, 0.0), (nan, 1.0, inf), (1.0, inf, inf), (inf, inf, 0.0), (2.0, 1.0, 2 / 3),
+                       (1.0, -1.0, inf)]:
+        assert compare_floats(a, b) == pytest.approx(want) and compare(a, torch.tensor(b)).item() == pytest.approx(want)
+
+
 def test_fp16_dynamic_loss_scaling_turns_the_nan_check_off_and_still_skips_overflows(capfd):
     fp16 = ["--fp16", "--initial-loss-scale", "1e30", "--train-iters", "3"]
     with pytest.warns(UserWarning, match="dynamic loss scaling is being used"):
