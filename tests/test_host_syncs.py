@@ -48,7 +48,8 @@ def test_iteration_code_reads_the_device_only_through_host_reads():
     root = Path(__file__).resolve().parents[1] / "megazero"
     files = [p for d in ("pipeline", "zero", "tensor_parallel") for p in (root / d).glob("*.py")]
     files += [root / "model" / n for n in ("gpt.py", "transformer.py", "stages.py")]
-    files += [root / "training" / n for n in ("loop.py", "agree.py", "log_step.py")]
+    files += [root / "training" / n for n in ("loop.py", "agree.py", "log_step.py", "rerun.py", "result_checks.py",
+                                              "stragglers.py", "faults.py")]
     pattern = re.compile(r"\.(item|tolist|cpu|numpy)\(\)")
     hits = [f"{p.relative_to(root)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line) and not line.lstrip().startswith("#")]

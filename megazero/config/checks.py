@@ -34,6 +34,7 @@ from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
 from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.domains import check_domains
+from megazero.config.reliability_flags import check_reliability, derive_reliability
 from megazero.config.run_checks import check_required, check_run
 from megazero.config.rank import current_rank
 
@@ -84,6 +85,7 @@ def derive(args) -> None:
     if args.use_flash_attn:
         args.attention_backend = "flash"
     derive_moe(args)  # Megatron's: --num-experts 0 is dense, ETP defaults to TP
+    derive_reliability(args)  # Megatron's: fp16 with dynamic loss scaling turns the NaN check off
 
 
 def _validate_grid(err, args) -> None:
@@ -272,7 +274,8 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     check_domains(problems.append, args)
     outside = [p.split(" ", 1)[0] for p in problems]  # the flags whose value is outside its domain
     checks = [_validate_grid, _validate_model, _first_only(_validate_batch_schedule),
-              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp]
+              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp,
+              check_reliability]
     for check in checks + ([check_required, check_moe_training] if training else []) + list(extra_checks):
         found = []
         try:

@@ -232,6 +232,40 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ReliabilityConfig:
+    """Result checks, re-runs, fault injection and straggler reports (Megatron-LM's flags,
+    docs/reliability.md; :mod:`megazero.training.rerun`, :mod:`megazero.training.stragglers`)."""
+
+    rerun_mode: str = "validate_results"
+    """``--rerun-mode``: validate_results (re-run a flagged iteration), report_stats, disabled."""
+    check_nan: bool = True
+    """Not ``--no-check-for-nan-in-loss-and-grad`` (and not fp16 with dynamic loss scaling)."""
+    check_spiky_loss: bool = False
+    """``--check-for-spiky-loss``: a micro-batch loss >= 10x the largest of the first 100."""
+    check_large_grads: bool = False
+    """``--check-for-large-grads``: a local bucket gradient norm >= 10x the largest of the first 100."""
+    error_injection_rate: int = 0
+    """``--error-injection-rate``: one injected unexpected result per N validations (0: none)."""
+    error_injection_type: str = "transient_error"
+    """``--error-injection-type``: correct_result, transient_error or persistent_error."""
+    on_transient: str = "continue"
+    """``--rerun-on-transient-error`` (megazero): continue, exit (17) or checkpoint_and_exit (16)."""
+    log_straggler: bool = False
+    """``--log-straggler``: the slowest and fastest ranks every ``--log-interval`` iterations."""
+    straggler_port: int = 65535
+    """``--straggler-ctrlr-port``: rank 0's toggle port."""
+    straggler_minmax_count: int = 1
+    """``--straggler-minmax-count``: lowest/highest estimated-throughput ranks listed."""
+    straggler_on_startup: bool = True
+    """Not ``--disable-straggler-on-startup``."""
+
+    @property
+    def any_check(self) -> bool:
+        """Whether any result is checked each iteration (then its scalars join the packed all-reduce)."""
+        return self.check_nan or self.check_spiky_loss or self.check_large_grads
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run reads, by concern; built once by ``run_config(args, vocab_size)``."""
 
@@ -255,6 +289,8 @@ class RunConfig:
     """``--attention-backend`` (``--use-flash-attn``: flash): the SDPA kernel on CUDA."""
     gradient_accumulation_fusion: bool = True
     """Not ``--no-gradient-accumulation-fusion``: vocabulary weight gradients straight into fp32."""
+    reliability: ReliabilityConfig = ReliabilityConfig()
+    """NaN/spike/large-gradient checks, re-runs, fault injection, straggler reports."""
     flags: Mapping = field(default_factory=lambda: MappingProxyType({}))
     """Every flag's value by Megatron's ``dest`` name (JSON-ready): what a checkpoint records as
     its ``args``, TensorBoard's ``arguments`` text and W&B's config."""

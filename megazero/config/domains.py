@@ -33,12 +33,12 @@ moe_router_num_groups moe_router_group_topk moe_shared_expert_intermediate_size 
 train_iters train_samples exit_interval recompute_num_layers lr_decay_iters lr_decay_samples eval_interval
 log_interval tensorboard_log_interval tensorboard_queue_size save_interval loss_scale_window hysteresis
 tensor_model_parallel_size pipeline_model_parallel_size num_layers_per_virtual_pipeline_stage
-context_parallel_size expert_model_parallel_size expert_tensor_parallel_size vocab_size"""
+context_parallel_size expert_model_parallel_size expert_tensor_parallel_size vocab_size straggler_minmax_count"""
 
 _AT_LEAST_0 = """num_experts lr_warmup_iters lr_warmup_samples eval_iters num_workers zero_reduce_bucket_size
 zero_prefetch_bucket_size zero_param_persistence_threshold zero_max_live_parameters zero_max_reuse_distance
 norm_epsilon weight_decay clip_grad adam_eps init_method_std moe_aux_loss_coeff moe_z_loss_coeff
-moe_router_bias_update_rate lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init"""
+moe_router_bias_update_rate lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init error_injection_rate"""
 
 _POSITIVE = """moe_router_topk_scaling_factor moe_expert_capacity_factor exit_duration_in_mins loss_scale
 initial_loss_scale min_loss_scale distributed_timeout_minutes"""
@@ -52,9 +52,11 @@ DOMAINS = {
     "lr_warmup_fraction": "[0, 1)",
     "seed": f"[0, {2 ** 31})",
     "zero_stage": "[0, 3]",
+    "straggler_ctrlr_port": "[1, 65535]",
 }
 
-_WHAT = {"[1, inf)": ">= 1", "[0, inf)": ">= 0", "(0, inf)": "> 0", "[0, 1)": "in [0, 1)", "[0, 3]": "0, 1, 2 or 3"}
+_WHAT = {"[1, inf)": ">= 1", "[0, inf)": ">= 0", "(0, inf)": "> 0", "[0, 1)": "in [0, 1)", "[0, 3]": "0, 1, 2 or 3",
+         "[1, 65535]": "a TCP port in [1, 65535]"}
 
 
 HINTS = {"moe_expert_capacity_factor": "Megatron reads a negative value as dropless: omit the flag for a "

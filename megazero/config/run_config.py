@@ -13,7 +13,7 @@ import torch
 
 from megazero.config.batch_schedule import BatchSchedule
 from megazero.config.configs import (CheckpointConfig, DataConfig, LoggingConfig, LRConfig, ParallelConfig,
-                                     RunConfig, ScheduleConfig, WandbConfig)
+                                     ReliabilityConfig, RunConfig, ScheduleConfig, WandbConfig)
 from megazero.config.model import gpt_config
 from megazero.config.optimizer import OptimizerConfig
 from megazero.data.tokenizers import TokenizerConfig
@@ -105,6 +105,19 @@ def logging_config(args) -> LoggingConfig:
                          pipeline_trace=args.pipeline_trace, debug=args.debug, wandb=wandb)
 
 
+def reliability_config(args) -> ReliabilityConfig:
+    """The result checks and straggler reports (fp16's dynamic loss scaling already turned the NaN
+    check off in ``derive``, as Megatron-LM)."""
+    return ReliabilityConfig(rerun_mode=args.rerun_mode, check_nan=args.check_for_nan_in_loss_and_grad,
+                             check_spiky_loss=args.check_for_spiky_loss, check_large_grads=args.check_for_large_grads,
+                             error_injection_rate=args.error_injection_rate,
+                             error_injection_type=args.error_injection_type,
+                             on_transient=args.rerun_on_transient_error, log_straggler=args.log_straggler,
+                             straggler_port=args.straggler_ctrlr_port,
+                             straggler_minmax_count=args.straggler_minmax_count,
+                             straggler_on_startup=not args.disable_straggler_on_startup)
+
+
 def jsonable_flags(args) -> dict:
     """The JSON-representable flag values by ``dest`` name, sorted (dtypes by name; private names
     and other values dropped): a checkpoint's ``args`` record, Megatron's names."""
@@ -139,4 +152,4 @@ def run_config(args, vocab_size: int) -> RunConfig:
                      data=data_config(args), schedule=schedule_config(args), checkpoint=checkpoint_config(args),
                      logging=logging_config(args), seed=args.seed, attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                     flags=MappingProxyType(recorded_flags(args, model)))
+                     reliability=reliability_config(args), flags=MappingProxyType(recorded_flags(args, model)))

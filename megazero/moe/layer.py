@@ -78,6 +78,13 @@ class MoEState:
             v.zero_()
         return out
 
+    def discard(self) -> None:
+        """Forget this step's metric sums and routed-token counts (the step is run again)."""
+        self.take()
+        for r in self.routers:
+            if r.expert_bias is not None:
+                r.tokens_per_expert.zero_()
+
     @torch.no_grad()
     def update_expert_bias(self, rate: float, group=None) -> None:
         """``bias += rate * sign(mean_e c_e - c_e)`` with ``c`` the step's routed counts summed

@@ -30,7 +30,8 @@ def speaks(rank: int) -> bool:
 
 
 def pretrain(args, model_provider=None, forward_step_func=None) -> int:
-    """Entry point of ``pretrain_gpt.py``: train, and return the process exit code.
+    """Entry point of ``pretrain_gpt.py``: train, and return the process exit code (0; 16 or 17
+    after a re-run of a NaN/Inf, Megatron-LM's codes; 1 on a failure).
 
     Errors are printed with the failing rank, as one line naming the file and the cause (the
     traceback too with ``--debug`` or ``MEGAZERO_DEBUG=1``). The process group is torn down on
@@ -44,7 +45,7 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
         signums = {signal.SIGTERM, signal.SIGUSR1, signal.Signals[schedule.exit_signal.upper()]}
         exit_signal = ExitSignal.install(sorted(signums)) if schedule.exit_signal_handler else None
         trainer = setup(config, model_provider, forward_step_func)
-        trainer.train(exit_signal)
+        code = trainer.train(exit_signal)  # 16/17: a re-run's verdict (docs/reliability.md)
         trainer.tb.close()
     except (CheckpointError, DataError) as e:  # worded for the user already: the file and the cause
         kind = "checkpoint error" if isinstance(e, CheckpointError) else "data error"
@@ -62,4 +63,4 @@ def pretrain(args, model_provider=None, forward_step_func=None) -> int:
                 dist.destroy_process_group()
             except Exception:
                 pass
-    return 0
+    return code

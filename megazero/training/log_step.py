@@ -9,15 +9,17 @@ import math
 from datetime import datetime
 
 import torch
+import torch.distributed as dist
 
 from megazero.training.logger import iteration_line, model_flops_per_iteration, validation_line
 from megazero.training.restart import write_progress
 from megazero.optim.lr_schedule import learning_rates
+from megazero.zero.norms import params_sq
 
 
 class TrainerLogging:
     """Logging methods of the Trainer (they read its ``config``, ``stats``, ``scheduler``,
-    ``optimizer``, ``tb``, ``rank``/``last_rank``)."""
+    ``optimizer``, ``tb``, ``rank``/``last_rank``, ``topo``)."""
 
     def _log(self, seconds_per_iter: float, loss_sum: float | None, batch_size: int, *, grad_norm: float | None,
              num_zeros: float | None = None, params_norm: float | None = None, moe: dict | None = None) -> None:
@@ -42,6 +44,8 @@ class TrainerLogging:
                                  num_zeros=num_zeros, params_norm=params_norm,
                                  skipped=stats.skipped, nans=stats.nans,
                                  timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S")), flush=True)
+            self.tb.scalars({"skipped-iterations": stats.skipped, "nan-iterations": stats.nans},
+                            self.iteration, self.consumed_samples)  # the line's interval counts (megazero's names)
             if log.timers_to_tensorboard:
                 self.tb.scalars({"iteration-time": seconds_per_iter,
                                  "throughput": tflops if log.throughput else None},
@@ -88,6 +92,33 @@ class TrainerLogging:
         self.tb.scalars(scalars, self.iteration, self.consumed_samples)
         if moe:
             self.tb.scalars(moe, self.iteration, None)
+
+    def _params_norm(self) -> float:
+        """``--log-params-norm``: the L2 norm of the parameters after the step (Megatron's
+        ``calc_params_l2_norm`` after ``train_step``): one more all-reduce and host read, on
+        iterations with a log or TensorBoard line only."""
+        sq = params_sq(self.optimizer, over_world=True)
+        self.optimizer.comm.all_reduce(sq, "world", async_op=False)
+        return math.sqrt(self.optimizer.host.read(sq)[0])
+
+    def _loss_not_finite(self, loss, ok: bool) -> bool:
+        """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
+        DP-reduced loss); the last stage only, and only on skipped steps whose iteration did not
+        pack the loss into its agreement (an extra read, on fp16-overflow steps only)."""
+        if loss is None or ok:
+            return False
+        bad = (~torch.isfinite(loss)).float().reshape(1)
+        if self.topo.dp_cp > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_cp_group)
+        return bool(self.optimizer.host.read(bad)[0])
+
+    def _straggler_report(self, summed, num_micro_batches: int) -> None:
+        """``--log-straggler``: the report of this log iteration (printed by rank 0, TensorBoard)."""
+        batch = num_micro_batches * self.config.data.micro_batch_size * self.topo.dp
+        report = self.stragglers.read(list(summed), model_flops_per_iteration(self.model_config, batch, self.topo.tp))
+        if report is not None:
+            self.straggler_reports.append((self.iteration + 1, report))
+            self.tb.scalars(report.scalars(), self.iteration + 1, self.consumed_samples)
 
     def _log_validation(self, val: float | None, where: str = "", tensorboard: bool = True) -> None:
         """Megatron's validation box; ``where``: `` on test set`` etc. at the end of training."""

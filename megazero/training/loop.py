@@ -8,10 +8,13 @@ batch-size schedule (:mod:`.batch_schedule`). Each pipeline stage reads only the
 entries it uses, ahead of time (:class:`~megazero.training.data.MicroBatchSource`). The last rank, which owns
 the loss, prints Megatron's log line and writes TensorBoard. ``SIGTERM``/``SIGUSR1`` (sent by
 SLURM before preemption) makes every rank save at the end of the current iteration and exit 0.
+The result checks and re-runs (:mod:`.rerun`, exit 16/17) and the straggler reports
+(:mod:`.stragglers`) ride in the same packed all-reduce; docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -25,12 +28,14 @@ from megazero.training.agree import IterationAgreement
 from megazero.training.checkpointing import TrainerCheckpoints, print_rank
 from megazero.training.data import DocumentMasks, MicroBatchSource
 from megazero.training.evaluation import TrainerEvaluation
+from megazero.training.faults import InjectedFaults
 from megazero.training.log_step import TrainerLogging, attention_backend
 from megazero.training.logger import IntervalStats
 from megazero.optim.lr_schedule import LRScheduler, learning_rates
 from megazero.training.moe_log import MoEMetricsLog
+from megazero.training.rerun import EXIT_CODE_RESUME_TO_DISAMBIGUATE, RERUN, SLOTS, STOP, IterationGuard
 from megazero.training.signals import ExitSignal
-from megazero.zero.norms import params_sq
+from megazero.training.stragglers import StragglerDetector
 
 
 class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
@@ -61,6 +66,14 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
                         if stages.moe is not None and config.model.moe is not None else None)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.doc_masks = DocumentMasks.from_config(config.data, config.model.vocab_size)  # eod switches, or None
+        rel = config.reliability
+        self.guard = IterationGuard(rel, self.rank, device, optimizer, stages.rng_states, config.seed)
+        self.exit_code = 0  # 16/17 (a re-run's verdict, Megatron's codes), 1 (a NaN with --rerun-mode disabled)
+        self.faults = InjectedFaults.from_env(self.rank)  # tests only: MEGAZERO_FAULTS
+        self.stragglers = StragglerDetector(rel, self.rank, self.last_rank + 1, device) if rel.log_straggler else None
+        self.straggler_reports: list = []  # (iteration, StragglerReport) on every rank
+        step = self.faults.wrap(forward_step) if self.faults is not None else forward_step
+        self._forward = self.stragglers.timed(step) if self.stragglers is not None else step
 
     def _source(self, dataset, consumed_samples: int, *, read_ahead: int, cycle: bool = False) -> MicroBatchSource:
         """This rank's micro-batches of ``dataset`` from ``consumed_samples`` on, read ahead on a
@@ -79,32 +92,69 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
     def train_step(self, micro_batches: list[dict], with_loss: bool):
         """Schedule (forward/backward of every micro-batch), gradient sync, the iteration's one
         packed all-reduce and host read (:mod:`.agree`; ``with_loss``: a log or TensorBoard line
-        is due, so the DP-mean loss travels in it), optimizer step. Returns ``(loss, ok,
-        grad_norm, agreed)``; with ``--pipeline-trace`` the third step of this process is traced."""
+        is due, so the DP-mean loss travels in it), optimizer step. The result checks decide there,
+        before the step, to apply it, to re-run the iteration (same micro-batches, same RNG) or to
+        stop (:mod:`.rerun`: ``ok`` False, nothing applied, ``self.exit_code`` set). Returns
+        ``(loss, ok, grad_norm, agreed)``; with ``--pipeline-trace`` the third step of this process
+        is traced."""
         trace_path = self.config.logging.pipeline_trace
         steps_done = self.iteration - self.first_iteration
         traced = trace_path and steps_done == min(2, self.config.schedule.train_iters - self.first_iteration - 1)
-        trace = ScheduleTrace() if traced else None
+        trace, guard, moe = ScheduleTrace() if traced else None, self.guard, self.stages.moe
+        guard.begin(self.iteration)
+        while True:
+            if self.faults is not None:
+                self.faults.at(guard.iteration, guard.run)
+            loss, agreed = self._run(micro_batches, with_loss, trace)
+            action = guard.decide(agreed.reliability[:SLOTS] if guard.checks is not None else ())
+            if action != RERUN:
+                break
+            guard.restore()
+            self.optimizer.discard_step()
+            trace = None
+            if moe is not None:
+                moe.discard()
+        if action == STOP:
+            self.exit_code = guard.exit_code
+            return loss, False, None, agreed
+        if moe is not None:
+            moe.update_expert_bias(self.config.model.moe.bias_update_rate)
+            self.moe_log.commit()
+        ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler,
+                                                                                   self.config.schedule.lr))
+        return loss, ok, grad_norm, agreed
+
+    def _run(self, micro_batches: list[dict], with_loss: bool, trace):
+        """One run of the iteration up to its agreed host read: ``(local loss, Agreed)``."""
         self.optimizer.zero_grad()
         self.optimizer.set_num_micro_batches(len(micro_batches))
         moe = self.stages.moe
         if moe is not None:  # the aux losses' gradient: the LM loss's (Megatron's MoEAuxLossAutoScaler)
             moe.set_aux_scale(self.optimizer.loss_scale / len(micro_batches))
         with attention_backend(self.config.attention_backend, self.device):
-            losses = self.runner.run(self.chunks, micro_batches, self.forward_step,
+            losses = self.runner.run(self.chunks, micro_batches, self._forward,
                                      grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
         if moe is not None:
-            moe.update_expert_bias(self.config.model.moe.bias_update_rate)
             self.moe_log.after_step(len(micro_batches))
         if trace is not None:
-            write_pipeline_trace(trace_path, trace, print_fn=lambda s: print_rank(self.rank, 0, s))
+            write_pipeline_trace(self.config.logging.pipeline_trace, trace,
+                                 print_fn=lambda s: print_rank(self.rank, 0, s))
         loss = self._local_loss(losses)
+        self.optimizer.finish_grad_sync()  # every local gradient norm is recorded before the checks
+        parts = [p for p in (self.guard.evaluate(losses),) if p is not None]
+        report_due = self.stragglers is not None and self.guard.run == 0 and \
+            (self.iteration + 1) % self.config.logging.log_interval == 0
+        if report_due:
+            parts.append(self.stragglers.slots(self.device))
         extra = self.moe_log.packed() if self.moe_log is not None and self.moe_log.size else None
         agreed = self.agreement.agree(loss, with_loss=with_loss, flags=self._flags(), extra=extra,
+                                      reliability=torch.cat(parts) if parts else None,
                                       count_zeros=with_loss and self.config.logging.num_zeros_in_grad)
-        ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler,
-                                                                                   self.config.schedule.lr))
-        return loss, ok, grad_norm, agreed
+        if report_due:  # the iterations before this one (then this one starts the next interval)
+            self._straggler_report(agreed.reliability[-self.stragglers.size():], len(micro_batches))
+        if self.stragglers is not None:
+            self.stragglers.end_iteration()
+        return loss, agreed
 
     def _flags(self) -> tuple[bool, bool, bool] | None:
         """This rank's (exit signal received, ``--exit-duration-in-mins`` passed, its
@@ -125,9 +175,10 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         return torch.stack([l.detach().float() for l in losses]).mean()
 
     # ---- the loop --------------------------------------------------------------------
-    def train(self, exit_signal: ExitSignal | None) -> None:
+    def train(self, exit_signal: ExitSignal | None) -> int:
         """Iterate to ``--train-iters``; ``exit_signal`` (``--exit-signal-handler``) makes every rank
-        save and return at the end of the iteration in which any rank received the signal. Logged
+        save and return at the end of the iteration in which any rank received the signal. Returns
+        the process exit code: 0, or a re-run's 16/17 (1: a NaN with ``--rerun-mode disabled``). Logged
         every ``--log-interval`` iterations as Megatron's ``training_log``; one host read per
         iteration (the packed scalars of :mod:`.agree`). The global batch size of an iteration is
         the batch schedule's at the samples consumed before it (Megatron's
@@ -145,17 +196,22 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
                 if m != m_prev and ck.save and self.iteration != 0:
                     self.save()
                 m_prev = m
-                mbs = source.next_batch(m, read_ahead=batches.num_micro_batches(self.consumed_samples + b))
+                with self.stragglers.data() if self.stragglers is not None else contextlib.nullcontext():
+                    mbs = source.next_batch(m, read_ahead=batches.num_micro_batches(self.consumed_samples + b))
                 log_start = self._iteration(mbs, b, log_start)
+                if self.exit_code:  # a re-run's verdict: nothing of this iteration is applied or saved
+                    self.finish_save()  # a checkpoint from before the fault may still be publishing
+                    return self.exit_code
                 if self.pending_save is not None and not self.last_agreed.writing:
                     self.finish_save()  # every rank's file is written: publish now (Megatron's maybe_finalize_async_save)
                 if self._save_or_exit(self.last_agreed):
                     self.finish_save()
-                    return
+                    return self.exit_code
         if ck.save and not (ck.save_interval and self.iteration % ck.save_interval == 0):
             self.save()
         self.final_evaluation()
         self.finish_save()
+        return self.exit_code
 
     def _iteration(self, micro_batches: list[dict], batch_size: int, log_start: float) -> float:
         """One training iteration of ``batch_size`` samples and its counters, TensorBoard scalars,
@@ -167,6 +223,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         fp16 = self.config.optimizer.params_dtype == torch.float16
         loss, ok, grad_norm, agreed = self.train_step(micro_batches, with_loss=log_due or tb_due or fp16)
         self.last_agreed = agreed
+        if self.exit_code:
+            return log_start
         bad = agreed.loss_not_finite if agreed.loss_not_finite is not None else self._loss_not_finite(loss, ok)
         self.stats.add(ok, None, loss_is_nan=not ok and bad)
         self._count_step(ok, grad_norm, batch_size)
@@ -197,25 +255,6 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
             return {}, {}
         return self.moe_log.read(list(agreed.extra))
 
-    def _params_norm(self) -> float:
-        """``--log-params-norm``: the L2 norm of the parameters after the step (Megatron's
-        ``calc_params_l2_norm`` after ``train_step``): one more all-reduce and host read, on
-        iterations with a log or TensorBoard line only."""
-        sq = params_sq(self.optimizer, over_world=True)
-        self.optimizer.comm.all_reduce(sq, "world", async_op=False)
-        return math.sqrt(self.optimizer.host.read(sq)[0])
-
-    def _loss_not_finite(self, loss, ok: bool) -> bool:
-        """A skipped step's loss is inf/NaN on some data-parallel rank (Megatron checks the
-        DP-reduced loss); the last stage only, and only on skipped steps whose iteration did not
-        pack the loss into its agreement (an extra read, on fp16-overflow steps only)."""
-        if loss is None or ok:
-            return False
-        bad = (~torch.isfinite(loss)).float().reshape(1)
-        if self.topo.dp_cp > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.topo.dp_cp_group)
-        return bool(self.optimizer.host.read(bad)[0])
-
     def _count_step(self, ok: bool, grad_norm, batch_size: int) -> None:
         """After a step: iteration and sample counters; the LR schedule advances only on an
         applied step, by its global batch size (Megatron-LM's ``train_step``; a skipped
@@ -238,6 +277,11 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         iteration's packed all-reduce (:mod:`.agree`)."""
         schedule, ck = self.config.schedule, self.config.checkpoint
         signalled, timed_out = agreed.signalled, agreed.timed_out
+        if self.guard.save_and_exit:  # --rerun-on-transient-error checkpoint_and_exit
+            self.save()
+            self.exit_code = EXIT_CODE_RESUME_TO_DISAMBIGUATE
+            print_rank(self.rank, 0, f"exiting with code {self.exit_code} after iteration {self.iteration}")
+            return True
         if timed_out and not signalled:
             print_rank(self.rank, 0, f"exiting after iteration {self.iteration}: the run has lasted more than "
                                       f"--exit-duration-in-mins {schedule.exit_duration_in_mins}")

@@ -42,17 +42,22 @@ class MoEMetricsLog:
         return 2 * self.current.numel()
 
     def after_step(self, num_micro_batches: int) -> None:
-        """Collect this iteration's sums from the routers (device ops only)."""
+        """Collect this run's sums from the routers (device ops only); a re-run of the iteration
+        (:mod:`.rerun`) collects them again, :meth:`commit` counts the run that is applied."""
         sums = self.state.take()
         self.current.zero_()
         for i, name in enumerate(self.names):
             if name in sums:
                 self.current[i] = sums[name] / (num_micro_batches * self.dp)
+
+    def commit(self) -> None:
+        """The iteration's run is final: its sums join the interval."""
         self.interval += self.current
         self.iterations += 1
 
     def packed(self) -> torch.Tensor:
-        return torch.cat([self.current.flatten(), self.interval.flatten()])
+        """This iteration's sums and the interval's including them (as after :meth:`commit`)."""
+        return torch.cat([self.current.flatten(), (self.interval + self.current).flatten()])
 
     def _means(self, per_layer: torch.Tensor, divide: float) -> dict[str, float]:
         n = max(1, self.moe.num_moe_layers)

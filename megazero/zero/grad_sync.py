@@ -34,6 +34,7 @@ class GradientSync:
         """Gradient hooks on every parameter, and the re-read of the masters after a chunk's
         ``load_state_dict`` (stage 3: through the gatherer, which also gathers for it)."""
         self._inflight = []  # [(pending reduction, bytes it keeps alive)]
+        self._local_norms = None  # record_local_grad_norms(True): [norm of each flushed local gradient]
         self._inflight_budget = self._budget()
         self._slots = {id(p): (r, i) for r in self.regions for i, p in enumerate(r.params)}
         hooks = []
@@ -108,7 +109,23 @@ class GradientSync:
             self._synced = False
         return where
 
+    def record_local_grad_norms(self, on: bool) -> None:
+        """Keep the L2 norm of every local gradient a reduction is about to send (before the
+        data-parallel collective: the norm of this rank's own contribution, as Megatron-LM's
+        ``check_grads`` per bucket), as a device scalar; :meth:`take_local_grad_norms` hands them
+        over. One extra pass over each reduced gradient, no host read."""
+        self._local_norms = [] if on else None
+
+    def take_local_grad_norms(self) -> list:
+        """The local gradient norms recorded since the last call (device scalars, flush order)."""
+        norms = self._local_norms or []
+        if self._local_norms is not None:
+            self._local_norms = []
+        return norms
+
     def _launch(self, r: Region, async_op: bool) -> None:
+        if self._local_norms is not None and r.full_grad is not None:
+            self._local_norms.append(torch.linalg.vector_norm(r.full_grad, dtype=torch.float32))
         pending = r.flush(async_op=async_op)
         if not async_op:
             pending.wait()
@@ -152,3 +169,4 @@ class GradientSync:
             self._inflight.pop(0)[0].wait()
         for r in self.regions:
             r.reset()
+        self.take_local_grad_norms()  # a discarded step's norms go with its gradients

@@ -234,6 +234,13 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self._end_step(found_inf=False)
         return True, norm
 
+    def discard_step(self) -> None:
+        """Drop the gradients of a step that will not be applied (its iteration is run again,
+        megazero.training.rerun): zeroed as after a step, the loss scale and counters untouched."""
+        self._grads = None
+        for r in self.regions:
+            r.zero_grad()
+
     def _group_step(self, grads, hparams) -> None:
         """Adam(W) group by group over each group's shard ranges (:meth:`set_param_groups`)."""
         if self._group_ranges is None or len(hparams) != len(self._group_ranges):

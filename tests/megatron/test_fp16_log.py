@@ -44,8 +44,12 @@ def test_every_step_overflows_with_a_constant_huge_scale():
     """--loss-scale 2^30: every fp16 step overflows and is skipped. Hand-worked: at iterations 2
     and 4 (--log-interval 2) consumed samples are 16 and 32, the interval's skipped count is 2
     (not the running total 4), no NaN loss (the loss is finite, the gradients overflow), no
-    ``lm loss`` field, and the LR is the scheduler's at 0 samples: 0 (warm-up from 0)."""
-    lines = run(["--train-iters", "4", "--log-interval", "2", "--loss-scale", str(2.0 ** 30)])
+    ``lm loss`` field, and the LR is the scheduler's at 0 samples: 0 (warm-up from 0). With a
+    constant scale the NaN/Inf check stays on (Megatron-LM turns it off only under dynamic loss
+    scaling) and would stop the run at the first overflow (exit 17, docs/reliability.md): off here,
+    the skip-and-count behaviour is what is tested."""
+    lines = run(["--train-iters", "4", "--log-interval", "2", "--loss-scale", str(2.0 ** 30),
+                 "--no-check-for-nan-in-loss-and-grad"])
     assert [LINE.match(l).group(1, 3) for l in lines] == [("2", "16"), ("4", "32")]
     for line in lines:
         assert field(line, "learning rate") == "0.000000E+00"
