@@ -93,8 +93,9 @@ def check_sample_counts(err, args, memory_bytes: int | None = None) -> None:
     this host's physical memory (``memory_bytes``, default :func:`host_memory_bytes`) can never
     be indexed: numpy would end it in ``MemoryError: Unable to allocate 4.72 TiB`` after the
     process groups start. Mock data is held to the same bound (what passes with ``--mock-data``
-    must not fail on real data; a batch of 10^12 mock samples would not end either). The counts are ``training.data.sample_counts``': train ``--train-samples`` or ``--train-iters`` x B,
-    raised to what a batch-size schedule consumes in those iterations; valid ``eval_iters`` x B per
+    must not fail on real data; a batch of 10^12 mock samples would not end either). The counts
+    are ``training.data.sample_counts``': train ``--train-samples`` or ``--train-iters`` x B, raised
+    to what a batch-size schedule consumes in those iterations; valid ``eval_iters`` x B per
     evaluation. The line names the flag(s) that set the count and the count."""
     limit = memory_bytes or host_memory_bytes()
     mbs, world, product = args.micro_batch_size, args.world_size, model_parallel_product(args)
