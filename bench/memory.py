@@ -29,8 +29,9 @@ fp32 shard, ``12Φ/N`` (``12Φ`` at ZeRO 0). Loading reads memory-mapped files, 
 (freed blocks of at least BYTES leave the resident set; glibc's default keeps them in its heap);
 without it the ranks keep glibc's default (``setup(..., fix_mmap_threshold=False)``);
 ``--mmap-threshold setup``: ``training.setup``'s own policy (stage 3: 1 MiB for the build, then the
-smallest unit's gathered bytes; glibc's default at stages 0-2). ``--mmap-ab``: iteration time with
-and without 1 MiB.
+smallest unit's gathered bytes; glibc's default at stages 0-2), ``--policy tight`` passing
+``--zero-host-memory-policy tight`` (1 MiB at every stage, never raised). ``--mmap-ab``: iteration
+time with and without 1 MiB; ``--policy-ab``: with ``--zero-host-memory-policy`` speed and tight.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def model_flags(o, stage: int, dp: int, iters: int = 1) -> list[str]:
             "--mock-data", "--vocab-size", "50257", "--zero-stage", str(stage), "--log-interval", "100",
             "--eval-iters", "0", "--eval-interval", "1000", "--distributed-backend", "gloo",
             "--zero-max-reuse-distance", "0", "--seed", "1"] + (
-            ["--zero-reduce-bucket-size", str(o.reduce_bucket_size)] if o.reduce_bucket_size else [])
+            ["--zero-reduce-bucket-size", str(o.reduce_bucket_size)] if o.reduce_bucket_size else []) + (
+            ["--zero-host-memory-policy", o.policy] if getattr(o, "policy", None) else [])
 
 
 def _sizes(opt) -> dict:
@@ -173,7 +175,8 @@ def _table(rows, build_only: bool) -> str:
 
 def _mmap_rank(rank, world, argv, mmap_threshold, runs):
     """(wall, CPU = user + system) seconds of each ``train()`` call (``--exit-interval``
-    iterations) after one warm-up call."""
+    iterations) after one warm-up call. ``mmap_threshold`` "setup": ``setup``'s own policy
+    (``--zero-host-memory-policy`` in ``argv``)."""
     import io
 
     import torch.distributed as dist
@@ -181,11 +184,12 @@ def _mmap_rank(rank, world, argv, mmap_threshold, runs):
     from megazero.arguments import parse_args
     from megazero.training import setup
     from megazero.zero.host_memory import return_freed_memory
-    if mmap_threshold:
+    if mmap_threshold and mmap_threshold != "setup":
         return_freed_memory(mmap_threshold)
     times = []
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer = setup(parse_args(argv, world_size=world), fix_mmap_threshold=False)
+        trainer = setup(parse_args(argv, world_size=world), fix_mmap_threshold=None if mmap_threshold == "setup"
+                        else False)
         for _ in range(runs + 1):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -196,18 +200,21 @@ def _mmap_rank(rank, world, argv, mmap_threshold, runs):
     return times[1:]
 
 
-def mmap_ab(o, stage: int, dp: int, pairs: int = 3, iters: int = 5, runs: int = 2) -> dict:
-    """Iteration time with and without ``return_freed_memory(1 MiB)``: ``pairs`` pairs of
-    processes, the order alternating (default first on even pairs); each times ``runs`` calls of
-    ``iters`` iterations after a warm-up call. Ratio = median(with) / median(without) per
-    iteration, of the slowest rank's wall time and of the ranks' mean CPU time (user + system:
-    the page faults of fresh mappings are system time)."""
+def mmap_ab(o, stage: int, dp: int, pairs: int = 3, iters: int = 5, runs: int = 2, policies: bool = False) -> dict:
+    """Iteration time with and without ``return_freed_memory(1 MiB)`` (``policies``: with
+    ``setup``'s ``--zero-host-memory-policy speed`` as "default" and ``tight`` as "fixed"):
+    ``pairs`` pairs of processes, the order alternating (default first on even pairs); each
+    times ``runs`` calls of ``iters`` iterations after a warm-up call. Ratio = median(fixed) /
+    median(default) per iteration, of the slowest rank's wall time and of the ranks' mean CPU
+    time (user + system: the page faults of fresh mappings are system time)."""
     from megazero.testing import run_distributed
     argv = model_flags(o, stage, dp, iters=(runs + 1) * iters) + ["--exit-interval", str(iters)]
     wall, cpu = {"default": [], "fixed": []}, {"default": [], "fixed": []}
     for k in range(pairs):
         for mode in (("default", "fixed") if k % 2 == 0 else ("fixed", "default")):
-            ranks = run_distributed(_mmap_rank, dp, argv, 1 << 20 if mode == "fixed" else None, runs, timeout_s=3600)
+            flags = ["--zero-host-memory-policy", "tight" if mode == "fixed" else "speed"] if policies else []
+            threshold = "setup" if policies else 1 << 20 if mode == "fixed" else None
+            ranks = run_distributed(_mmap_rank, dp, argv + flags, threshold, runs, timeout_s=3600)
             wall[mode] += [max(r[i][0] for r in ranks) / iters for i in range(runs)]
             cpu[mode] += [sum(r[i][1] for r in ranks) / len(ranks) / iters for i in range(runs)]
     out = {}
@@ -243,10 +250,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="--mmap-ab: pairs of processes")
     p.add_argument("--mmap-ab", action="store_true", help="iteration time with and without "
                    "return_freed_memory(1 MiB), interleaved (first --stages / --dp value, --rounds pairs)")
+    p.add_argument("--policy", choices=["speed", "tight"], default=None,
+                   help="--zero-host-memory-policy for the runs (with --mmap-threshold setup: setup applies it)")
+    p.add_argument("--policy-ab", action="store_true", help="--mmap-ab between --zero-host-memory-policy speed "
+                   "(default) and tight (fixed), each applied by setup")
     o = p.parse_args(argv)
-    if o.mmap_ab:
+    if o.mmap_ab or o.policy_ab:
         load_avg = os.getloadavg()[0]
-        print(json.dumps(dict(mmap_ab(o, o.stages[0], o.dp[0], pairs=o.rounds), load_before=load_avg,
+        print(json.dumps(dict(mmap_ab(o, o.stages[0], o.dp[0], pairs=o.rounds, policies=o.policy_ab),
+                              load_before=load_avg,
                               load_after=os.getloadavg()[0])))
         return 0
     work = tempfile.mkdtemp(prefix="megazero_memory_")
@@ -257,7 +269,7 @@ def main(argv=None) -> int:
                 out = os.path.join(work, f"z{stage}dp{dp}")
                 load_avg = os.getloadavg()[0]
                 rows.append(dict(run_config(o, stage, dp, out, prev), load_before=load_avg,
-                                 mmap_threshold=o.mmap_threshold))
+                                 mmap_threshold=o.mmap_threshold, policy=o.policy))
                 print(json.dumps(rows[-1]), flush=True)
                 if prev:
                     shutil.rmtree(prev, ignore_errors=True)

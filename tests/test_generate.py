@@ -81,6 +81,13 @@ def test_filters():
     torch.testing.assert_close(filter_logits(z, temperature=2.0), z / 2)
 
 
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0])
+def test_filters_refuse_a_temperature_that_is_not_finite_and_positive(temperature):
+    """``z / inf`` is 0 for every logit: sampling would draw uniform noise, silently."""
+    with pytest.raises(ValueError, match=f"temperature must be finite and > 0 .*got {temperature}"):
+        filter_logits(torch.tensor([[3.0, 1.0, 2.0]]), temperature=temperature)
+
+
 def _tp_generate(rank, world, kind, eod):
     from megazero.parallel.topology import Topology
     topo = Topology(world, rank, tp=world).create_groups()

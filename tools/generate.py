@@ -24,10 +24,11 @@ Decoding (:mod:`megazero.inference.generation`): greedy by default; ``--temperat
 identical on all TP ranks. Rows stop at the tokenizer's eod; a batch stops when every row has,
 or after ``--max-new-tokens``. Rank 0 prints each completion and the tokens/s.
 
-A bad input (a missing ``--load`` folder, an iteration it does not hold, ``--top-k -5``, a prompt
-longer than the model's positions, an unreadable ``--prompt-file``) ends with one
-``generate.py: error: ...`` line, exit status 1 (2 for flags); ``--debug`` or ``MEGAZERO_DEBUG=1``
-shows the traceback.
+An empty prompt starts from the tokenizer's BOS (else EOD) token, as ``transformers`` does, and
+says so. A bad input (a missing ``--load`` folder, an iteration it does not hold, ``--top-k -5``,
+``--temperature inf``, a prompt longer than the model's positions, an empty prompt with neither
+token, an unreadable ``--prompt-file``) ends with one ``generate.py: error: ...`` line, exit status
+1 (2 for flags); ``--debug`` or ``MEGAZERO_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -109,11 +110,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_values(p: argparse.ArgumentParser, args) -> None:
-    """Sampling settings and sizes in range, named by their flags (``p.error``: status 2)."""
+    """Sampling settings and sizes in range, named by their flags (``p.error``: status 2); a NaN fails
+    every test, and ``--temperature inf`` (``z / inf`` = 0: uniform draws) is refused by name."""
     problems = [f"{flag} must be {rule}, got {value}" for flag, value, ok, rule in (
         ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, ">= 0 (0: no top-k filter)"),
         ("--top-p", args.top_p, args.top_p is None or 0.0 < args.top_p <= 1.0, "in (0, 1]"),
-        ("--temperature", args.temperature, args.temperature is None or args.temperature > 0, "> 0 (or --greedy)"),
+        ("--temperature", args.temperature, args.temperature is None or 0 < args.temperature < math.inf,
+         "finite and > 0 (or --greedy)"),
         ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
         ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
         ("--tensor-model-parallel-size", args.tensor_model_parallel_size, args.tensor_model_parallel_size >= 1, ">= 1"),
@@ -240,6 +243,25 @@ def load_for_generation(args):
     return topo, model, tok, agree
 
 
+def tokenize_prompts(tok, texts: list[str], start: int) -> tuple[list[list[int]], list[str]]:
+    """(token ids of each prompt, note lines). A prompt with no tokens (``--prompt ""``) starts from
+    the tokenizer's BOS, else its EOD (GPT-2's ``<|endoftext|>`` is both; a sentencepiece id -1 is
+    none), as ``transformers``' ``generate()`` starts from ``bos_token_id`` given no ``input_ids``
+    and raises without one: a note line per such prompt; ValueError naming it with neither token."""
+    starts = [(n.upper(), t) for n in ("bos", "eod") if isinstance(t := getattr(tok, n, None), int) and t >= 0]
+    ids, notes = [], []
+    for i, text in enumerate(texts):
+        ids.append(tok.tokenize(text))
+        if not ids[-1] and not starts:
+            raise ValueError(f"prompt {start + i + 1} ({text!r}) has no tokens and the tokenizer has no BOS or EOD "
+                             "token to start from: give it some text")
+        if not ids[-1]:
+            ids[-1] = [starts[0][1]]
+            notes.append(f"> prompt {start + i + 1} ({text!r}) has no tokens: generating from the tokenizer's "
+                         f"{starts[0][0]} token (id {starts[0][1]}), as transformers does without input_ids")
+    return ids, notes
+
+
 def completion_text(tok, prompt_ids: list[int], row: list[int], eod) -> tuple[str, str]:
     """(prompt + completion, completion) text of a generated ``row`` (its final eod dropped)."""
     body = row[:-1] if row and row[-1] == eod else row
@@ -255,7 +277,9 @@ def run(args) -> list[str]:
     completions, new_tokens, seconds = [], 0, 0.0
     for start in range(0, len(args.prompt), args.batch_size):
         texts = args.prompt[start:start + args.batch_size]
-        ids = [tok.tokenize(t) or [eod] for t in texts]
+        ids, notes = tokenize_prompts(tok, texts, start)
+        for note in notes if rank0 else ():
+            print(note, flush=True)
         check_prompts(ids, texts, model.config.max_position_embeddings, start)
         res = generate(model, ids, args.max_new_tokens, eod=eod, greedy=args.greedy, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed + start, use_cache=not args.no_kv_cache,

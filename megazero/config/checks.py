@@ -35,9 +35,8 @@ from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.domains import check_domains
 from megazero.config.reliability_flags import check_reliability, derive_reliability
-from megazero.config.run_checks import check_required, check_run
+from megazero.config.run_checks import check_required, check_run, check_sample_counts
 from megazero.config.rank import current_rank
-
 
 
 def resolve_aliases(args) -> None:
@@ -276,7 +275,8 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     checks = [_validate_grid, _validate_model, _first_only(_validate_batch_schedule),
               _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp,
               check_reliability]
-    for check in checks + ([check_required, check_moe_training] if training else []) + list(extra_checks):
+    more = [check_required, check_moe_training, check_sample_counts] if training else []
+    for check in checks + more + list(extra_checks):
         found = []
         try:
             check(found.append, args)

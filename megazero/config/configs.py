@@ -291,6 +291,9 @@ class RunConfig:
     """Not ``--no-gradient-accumulation-fusion``: vocabulary weight gradients straight into fp32."""
     reliability: ReliabilityConfig = ReliabilityConfig()
     """NaN/spike/large-gradient checks, re-runs, fault injection, straggler reports."""
+    host_memory_policy: str = "speed"
+    """``--zero-host-memory-policy``: glibc's mmap threshold on the host (``speed`` or ``tight``;
+    :func:`megazero.training.build.host_memory_plan`)."""
     flags: Mapping = field(default_factory=lambda: MappingProxyType({}))
     """Every flag's value by Megatron's ``dest`` name (JSON-ready): what a checkpoint records as
     its ``args``, TensorBoard's ``arguments`` text and W&B's config."""

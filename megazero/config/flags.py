@@ -204,6 +204,11 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-param-persistence-threshold", type=int_like, default=100_000)
     g.add_argument("--zero-max-live-parameters", type=int_like, default=1_000_000_000)
     g.add_argument("--zero-max-reuse-distance", type=int_like, default=1_000_000_000)
+    g.add_argument("--zero-host-memory-policy", choices=["speed", "tight"], default="speed",
+                   help="CPU ranks (glibc's malloc): 'speed' maps only stage 3's unit-sized buffers (freed smaller "
+                   "blocks stay in the heap; glibc's own policy at stages 0-2); 'tight' maps every block of >= 1 MiB "
+                   "at every stage, so freed ones leave the resident set at once, for page faults on every "
+                   "micro-batch (docs/zero.md, 'Host memory on the CPU')")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None, metavar="FILE",
                    help="DeepSpeed JSON config, read as DeepSpeed reads it (docs/zero.md, 'DeepSpeed config keys')")
     g.add_argument("--deepspeed", action="store_true",

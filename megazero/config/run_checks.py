@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from megazero.data.gpt_dataset import parse_split
+from megazero.config.batch_schedule import BatchSchedule
+from megazero.config.cp_flags import model_parallel_product
+from megazero.data.gpt_dataset import INDEX_BYTES_PER_SAMPLE, parse_split
 from megazero.data.indexed_dataset import DataError
 from megazero.config.path_checks import readable_file_problem
 
@@ -74,3 +76,54 @@ def early_problems(args) -> list[str]:
                         "Megatron-LM ignores --num-query-groups and trains multi-head attention; add "
                         "--group-query-attention for GQA, or drop --num-query-groups")
     return problems
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory in bytes (``sysconf``), or None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_sample_counts(err, args, memory_bytes: int | None = None) -> None:
+    """The samples a training run draws can be indexed. A dataset keeps at least
+    ``INDEX_BYTES_PER_SAMPLE`` = 24 bytes of index per sample (``GPTDataset``: sample index and
+    shuffle index, int64), built in one process's memory, so a count whose index alone exceeds
+    this host's physical memory (``memory_bytes``, default :func:`host_memory_bytes`) can never
+    be indexed: numpy would end it in ``MemoryError: Unable to allocate 4.72 TiB`` after the
+    process groups start. Mock data is held to the same bound (what passes with ``--mock-data``
+    must not fail on real data; a batch of 10^12 mock samples would not end either). The counts
+    are ``training.data.sample_counts``': train ``--train-samples`` or ``--train-iters`` x B, raised
+    to what a batch-size schedule consumes in those iterations; valid ``eval_iters`` x B per
+    evaluation. The line names the flag(s) that set the count and the count."""
+    limit = memory_bytes or host_memory_bytes()
+    mbs, world, product = args.micro_batch_size, args.world_size, model_parallel_product(args)
+    if not limit or not mbs or mbs < 1 or product < 1 or world % product:
+        return  # no micro-batch or grid to count with: named by other checks
+    most = limit // INDEX_BYTES_PER_SAMPLE
+
+    def refuse(what: str, count: int, kind: str) -> None:
+        err(f"{what} makes the run draw {count} {kind} samples, more than can be indexed: a dataset index "
+            f"takes {INDEX_BYTES_PER_SAMPLE} bytes a sample ({count * INDEX_BYTES_PER_SAMPLE / 2**40:.3g} TiB), "
+            f"this host has {limit / 2**30:.1f} GiB of memory (at most {most} samples): lower it")
+    try:
+        schedule = BatchSchedule.from_args(args, data_parallel_size=world // product)
+    except ValueError:
+        return  # a malformed schedule: named by the batch-schedule check
+    batch, samples, iters = args.global_batch_size or mbs * (world // product), args.train_samples, args.train_iters
+    if samples is not None and samples > most:
+        return refuse(f"--train-samples {samples}", samples, "training")
+    iters = schedule.train_iters(samples) if samples is not None else iters
+    if iters is None:
+        return
+    drawn = max(samples if samples is not None else iters * batch, schedule.consumed_after(iters))
+    if drawn > most:
+        text, run = args.step_batch_size_schedule, (f"--train-samples {samples}" if samples is not None
+                                                     else f"--train-iters {iters}")
+        return refuse(f"--step-batch-size-schedule {text!r} with {run}" if text else f"{schedule.flag} with {run}"
+                      if args.rampup_batch_size else f"{run} x --global-batch-size {batch}", drawn, "training")
+    evals = iters // args.eval_interval + 1 if args.eval_interval else 0
+    if evals * args.eval_iters * batch > most:
+        refuse(f"--eval-iters {args.eval_iters} x {evals} evaluations (--eval-interval {args.eval_interval}) x "
+               f"--global-batch-size {batch}", evals * args.eval_iters * batch, "validation")

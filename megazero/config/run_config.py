@@ -152,4 +152,5 @@ def run_config(args, vocab_size: int) -> RunConfig:
                      data=data_config(args), schedule=schedule_config(args), checkpoint=checkpoint_config(args),
                      logging=logging_config(args), seed=args.seed, attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                     reliability=reliability_config(args), flags=MappingProxyType(recorded_flags(args, model)))
+                     reliability=reliability_config(args), host_memory_policy=args.zero_host_memory_policy,
+                     flags=MappingProxyType(recorded_flags(args, model)))

@@ -41,6 +41,9 @@ __all__ = ["GPTDataset", "BlendedDataset", "build_train_valid_test_datasets",
            "build_sample_index", "build_shuffle_index", "build_blending_indices"]
 
 INDEX_VERSION = 1
+# bytes of index a GPTDataset keeps per sample: sample_index (2 x int64) + shuffle_index (int64);
+# doc_index, a blend's indices and the build's temporaries come on top
+INDEX_BYTES_PER_SAMPLE = 24
 
 
 def parse_split(split: str) -> list[float]:

@@ -27,6 +27,7 @@ those it gets alone (up to floating-point rounding of the batched kernels).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -57,9 +58,10 @@ class GenerationResult:
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """``logits [b, V]`` (fp32) scaled by ``1/T`` with everything outside top-k / top-p set to ``-inf``."""
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 (use greedy decoding for T -> 0)")
+    """``logits [b, V]`` (fp32) scaled by ``1/T`` with everything outside top-k / top-p set to ``-inf``.
+    ``T`` must be finite and > 0 (``T = inf`` would make every logit 0: uniform noise)."""
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be finite and > 0 (use greedy decoding for T -> 0), got {temperature}")
     z = logits / temperature
     if top_k and top_k < z.shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[:, -1:]

@@ -10,8 +10,10 @@
    large buffers live for the whole run, and a fixed threshold would make each activation of
    1 MiB or more a fresh mapping whose pages fault in on every micro-batch (measured: 39 k page
    faults and +12 % time per iteration at ZeRO-0 on the issue-33 GPT at world 1,
-   docs/benchmarks.md, "The iteration as a user sees it"). Process-wide; a no-op off glibc;
-   ``setup(..., fix_mmap_threshold=True/False)`` forces either policy.
+   docs/benchmarks.md, "The iteration as a user sees it"). That is ``--zero-host-memory-policy
+   speed`` (the default); ``tight`` fixes 1 MiB before the build at every stage and never raises
+   it (:func:`host_memory_plan`). Process-wide; a no-op off glibc; ``setup(...,
+   fix_mmap_threshold=True/False)`` forces 1 MiB / glibc's policy before the build.
 1. **Configs** (no process group yet, :func:`build_configs`, the only reader of the argument
    namespace outside :mod:`megazero.config`): the tokenizer gives the vocabulary size, which
    completes the frozen model config (:class:`GPTConfig` pads the vocabulary for TP and checks
@@ -96,6 +98,18 @@ def build_configs(args) -> RunConfig:
     return config
 
 
+def host_memory_plan(config: RunConfig, fix_mmap_threshold: bool | None = None) -> tuple[bool, bool]:
+    """Step 0: (fix glibc's mmap threshold at 1 MiB before the build, raise it to the smallest
+    unit's gathered bytes once stage 3's units exist). ``--zero-host-memory-policy speed``: both
+    at ZeRO stage 3, neither at stages 0-2 (glibc's own policy); ``tight``: 1 MiB at every stage,
+    never raised, so every freed block of 1 MiB or more leaves the resident set (docs/zero.md, "Host
+    memory on the CPU"). ``fix_mmap_threshold`` True/False (``setup``'s keyword, the benches')
+    overrides the first; the second then follows the policy."""
+    tight = config.host_memory_policy == "tight"
+    fix = (tight or config.optimizer.stage == 3) if fix_mmap_threshold is None else fix_mmap_threshold
+    return fix, fix and not tight
+
+
 def build_model(config: RunConfig, topo: Topology, provider, device) -> ModelStages:
     """Step 6: this rank's stages; on the meta device when the provider can build there (ZeRO
     then materializes each unit on ``device``), else moved to ``device``."""
@@ -129,7 +143,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
     from megazero.zero import ZeroOptimizer
 
     config = run if isinstance(run, RunConfig) else build_configs(run)                              # 1
-    fix_threshold = (config.optimizer.stage == 3) if fix_mmap_threshold is None else fix_mmap_threshold
+    fix_threshold, raise_to_unit = host_memory_plan(config, fix_mmap_threshold)
     if fix_threshold:                                                                               # 0
         return_freed_memory()  # the build's freed blocks of >= 1 MiB leave the resident set (glibc)
     ck, par, log = config.checkpoint, config.parallel, config.logging
@@ -149,7 +163,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
                               shared_params=stages.shared_params,
                               tp_duplicated_params=stages.tp_duplicated_params,
                               expert_params=stages.expert_params, param_init=stages.param_init, device=device)
-    if fix_threshold and optimizer.gatherer is not None:  # from now on only unit-sized blocks are mapped
+    if raise_to_unit and optimizer.gatherer is not None:  # from now on only unit-sized blocks are mapped
         return_freed_memory(unit_threshold(optimizer.gatherer.unit_bytes()))
     if config.gradient_accumulation_fusion and optimizer.fuses_weight_grads and stages.fuse_vocab_grads:
         stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)

@@ -51,7 +51,43 @@ def test_generate_refuses_sampling_values_out_of_range(checkpoint, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exc.value.code == 2 and err == (
         "generate.py: error: --top-k must be >= 0 (0: no top-k filter), got -5; --top-p must be in (0, 1], got 0.0; "
-        "--temperature must be > 0 (or --greedy), got -1.0"), err
+        "--temperature must be finite and > 0 (or --greedy), got -1.0"), err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "inf"], "--temperature must be finite and > 0 (or --greedy), got inf"),
+    (["--temperature", "nan", "--top-p", "nan"],
+     "--top-p must be in (0, 1], got nan; --temperature must be finite and > 0 (or --greedy), got nan")])
+def test_generate_refuses_a_temperature_that_is_not_finite(flags, message, capsys):
+    """``--temperature inf`` divided every logit to 0: uniform noise, sampled silently."""
+    with pytest.raises(SystemExit) as exc:
+        _generate(["--load", "unused", "--prompt", "1 2"] + flags)  # refused while parsing, before any load
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"generate.py: error: {message}"
+
+
+def test_generate_starts_an_empty_prompt_from_the_tokenizers_eod_and_says_so(checkpoint, capsys):
+    """transformers' generate() without input_ids starts from bos_token_id; NullTokenizer has only an eod (99)."""
+    assert len(_generate(["--load", checkpoint, "--prompt", "", "--prompt", "1 2"])) == 2
+    assert ("> prompt 1 ('') has no tokens: generating from the tokenizer's EOD token (id 99), as transformers "
+            "does without input_ids") in capsys.readouterr().out.splitlines()
+
+
+def test_an_empty_prompt_without_bos_or_eod_is_refused():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import generate as tool
+
+    class Tokenizer:  # ids as text; sentencepiece gives -1 for "no BOS", an HF folder without one None
+        def __init__(self, bos, eod=None):
+            self.bos, self.eod = bos, eod
+
+        def tokenize(self, text):
+            return [int(t) for t in text.split()]
+    with pytest.raises(ValueError, match=r"^prompt 3 \(' '\) has no tokens and the tokenizer has no BOS or EOD token "
+                                         "to start from: give it some text$"):
+        tool.tokenize_prompts(Tokenizer(-1), ["5", " "], start=1)
+    assert tool.tokenize_prompts(Tokenizer(7, eod=9), ["5", ""], start=0) == (
+        [[5], [7]], ["> prompt 2 ('') has no tokens: generating from the tokenizer's BOS token (id 7), as "
+                     "transformers does without input_ids"])
 
 
 def test_generate_names_an_over_long_prompt_and_a_missing_prompt_file(checkpoint, tmp_path, capsys):

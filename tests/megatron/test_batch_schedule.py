@@ -172,3 +172,41 @@ def test_sample_counts_as_megatron():
     stepped = SimpleNamespace(**{**vars(args), "train_samples": None, "train_iters": 30, "global_batch_size": 4,
                                  "step_batch_size_schedule": "0:4 1K:16"})
     assert sample_counts(schedule(stepped))[0] == 25 * 4 + 5 * 16  # > Megatron's count 30 x 4
+
+
+@pytest.mark.parametrize("extra,flags,count", [
+    (["--step-batch-size-schedule", "0:4 40:1000000000000", "--train-iters", "2"],
+     "--step-batch-size-schedule '0:4 40:1000000000000' with --train-iters 2", 1_000_000_000_004),
+    (["--train-samples", "1000000000000"], "--train-samples 1000000000000", 1_000_000_000_000),
+    (["--train-iters", "1000000000000", "--global-batch-size", "4"],
+     "--train-iters 1000000000000 x --global-batch-size 4", 4_000_000_000_000)])
+def test_sample_counts_that_cannot_be_indexed_are_refused_before_any_process_group(extra, flags, count, capsys):
+    """Issue 41: a 10^12-sample batch ended in numpy's 'MemoryError: Unable to allocate 4.72 TiB'
+    while the dataset index was built, naming no flag; now the flag check refuses it in one line."""
+    import torch.distributed as dist
+    with pytest.raises(SystemExit) as exc:
+        parse_args(BASE + ["--eval-iters", "0"] + extra, world_size=1, training=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and not dist.is_initialized()
+    assert lines[0].split(": error: ", 1)[1].startswith(
+        f"{flags} makes the run draw {count} training samples, more than can be indexed: a dataset index takes 24 "
+        f"bytes a sample ({count * 24 / 2**40:.3g} TiB), this host has "), lines[0]
+
+
+def test_the_sample_count_bound_is_the_index_that_fits_the_hosts_memory():
+    """At most memory // 24 samples: 1000 with 24000 bytes, for training and for validation."""
+    from megazero.config.run_checks import check_sample_counts
+
+    def problems(*extra):
+        found = []
+        check_sample_counts(found.append, parse_args(BASE + ["--global-batch-size", "8"] + list(extra), world_size=1),
+                            memory_bytes=24_000)
+        return found
+    assert problems("--train-iters", "125", "--eval-iters", "0") == []
+    assert problems("--train-iters", "126", "--eval-iters", "0") == [
+        "--train-iters 126 x --global-batch-size 8 makes the run draw 1008 training samples, more than can be "
+        "indexed: a dataset index takes 24 bytes a sample (2.2e-08 TiB), this host has 0.0 GiB of memory (at most "
+        "1000 samples): lower it"]
+    assert problems("--train-iters", "10", "--eval-iters", "70", "--eval-interval", "5")[0].startswith(
+        "--eval-iters 70 x 3 evaluations (--eval-interval 5) x --global-batch-size 8 makes the run draw 1680 "
+        "validation samples")

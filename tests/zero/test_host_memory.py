@@ -130,3 +130,51 @@ def test_stage2_round_gradients_stay_below_glibc_mmap_ceiling_on_the_cpu():
     assert sizes[1] == [3 * 1200 * 1200]
     assert len(sizes[2]) == 2 and sum(sizes[2]) == 3 * 1200 * 1200 and max(sizes[2]) <= HOST_ROUND_ELEMS
     assert round_bucket_size(2, 500_000_000, "cuda") == 500_000_000  # an accelerator keeps the flag's bucket
+
+
+def test_the_flag_selects_the_policy_and_a_bad_value_is_refused(capsys):
+    """``--zero-host-memory-policy``: speed (default) fixes 1 MiB and raises it to the smallest unit
+    at stage 3 and leaves glibc's policy at stages 0-2; tight fixes 1 MiB at every stage for good."""
+    from megazero.arguments import parse_args
+    from megazero.training.build import build_configs, host_memory_plan
+    from tests.faults.common import MOCK, TINY
+
+    def plan(*extra):
+        config = build_configs(parse_args(TINY + MOCK + ["--train-iters", "1"] + list(extra), world_size=1))
+        return config.host_memory_policy, host_memory_plan(config)
+    assert plan("--zero-stage", "3") == ("speed", (True, True))
+    assert plan("--zero-stage", "2") == ("speed", (False, False))
+    assert plan("--zero-stage", "3", "--zero-host-memory-policy", "tight") == ("tight", (True, False))
+    assert plan("--zero-stage", "1", "--zero-host-memory-policy", "tight") == ("tight", (True, False))
+    with pytest.raises(SystemExit) as exc:
+        parse_args(TINY + MOCK + ["--train-iters", "1", "--zero-host-memory-policy", "fast"], world_size=1)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "error: argument --zero-host-memory-policy: invalid choice: 'fast'" in lines[-1]
+
+
+POLICY = """
+import json, resource, sys, torch
+from megazero.arguments import parse_args
+from megazero.training import setup
+argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "4096",
+        "--distributed-backend", "gloo", "--zero-stage", "3", "--zero-host-memory-policy", sys.argv[1]]
+trainer = setup(parse_args(argv, world_size=1))
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):  # warm: the heap grows once
+    act = torch.ones(1 << 19); del act
+f0 = faults()
+for _ in range(20):  # a 2 MiB activation, allocated, touched and freed every micro-batch
+    act = torch.ones(1 << 19); del act
+print(json.dumps([min(trainer.optimizer.gatherer.unit_bytes()), faults() - f0]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_setup_applies_the_flags_policy():
+    """A ZeRO-3 run whose smallest unit is ~3 MiB: under speed a freed 2 MiB block is reused from
+    the heap (threshold at the unit), under tight it is a fresh mapping faulted in every time."""
+    smallest, speed = _fresh(POLICY, "speed")
+    _, tight = _fresh(POLICY, "tight")
+    assert smallest > 2 << 20 and speed <= 4 * 512 and tight >= 16 * 512, (smallest, speed, tight)
