@@ -155,7 +155,8 @@ def test_full_config_batch_optimizer_schedule_and_scaler(tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     assert len(line.splitlines()) == 1 and "config: optimizer.type='AdamW'" in line
     assert "DeepSpeed default: adam_w_mode (effective)=True" in line and "fp16.hysteresis=2" in line
-    assert [str(w.message).split(" -- ")[1] for w in rec] == [
+    # the config's key report (fp16 with dynamic scaling also warns that the NaN check is off, as Megatron)
+    assert [str(w.message).split(" -- ")[1] for w in rec if " -- " in str(w.message)] == [
         "harmless: steps_per_print, wall_clock_breakdown; no effect: zero_optimization.contiguous_gradients; "
         "unknown, not read: my_note"]
 
