@@ -13,8 +13,8 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.checkpoint.convert.hf import read_hf_folder
 from megazero.testing import run_distributed
 from tests.checkpoint.test_convert_checkpoint import megazero_logits, tool
-from tests.model.test_hf_moe import EOD, VOCAB, mixtral, qwen2_moe
-from tests.test_generate import _run_tool
+from tests.checkpoint.test_hf_moe_mapping import EOD, VOCAB, mixtral, qwen2_moe
+from tests.inference.test_generate import _run_tool
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

@@ -16,7 +16,7 @@ from tests import hf_fixtures
 from tests.checkpoint.test_convert_checkpoint import megazero_logits, tool
 from tests.checkpoint.test_reshard import run
 from tests.data.conftest import kjv_texts
-from tests.test_generate import _run_tool
+from tests.inference.test_generate import _run_tool
 from tests.test_training import TINY, layout_flags
 
 transformers = pytest.importorskip("transformers")

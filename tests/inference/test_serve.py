@@ -18,13 +18,13 @@ import pytest
 from megazero.inference.serving import Batcher, RequestError, parse_request
 from megazero.testing import free_port, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["1 2 3", "40 41 42 43 44 45", "7", "9 9 9 9"]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from tests.test_generate import _train_tiny
+    from tests.inference.test_generate import _train_tiny
     save = str(tmp_path_factory.mktemp("serve") / "ckpt")
     train = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2", "--train-iters", "1",
@@ -82,7 +82,7 @@ def stop(proc):
 @pytest.fixture(scope="module")
 def reference(ckpt):
     """tools/generate.py's greedy completions of PROMPTS (8 new tokens)."""
-    from tests.test_generate import _run_tool
+    from tests.inference.test_generate import _run_tool
     return run_distributed(_run_tool, 1, ["--load", ckpt, "--max-new-tokens", "8", "--batch-size", "1"]
                            + [a for p in PROMPTS for a in ("--prompt", p)], timeout_s=60)[0]
 

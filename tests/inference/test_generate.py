@@ -11,7 +11,7 @@ from megazero.model import GPTConfig, GPTModel
 from megazero.inference.generation import filter_logits, generate
 from megazero.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT2 = dict()
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu", num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True)
