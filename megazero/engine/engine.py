@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.checkpoint import engine as checkpoint
+from megazero.checkpoint import deepspeed_files, engine as checkpoint
 from .checks import check_unchanged, parameter_signature
 
 
@@ -133,7 +133,11 @@ class ZeroEngine(nn.Module):
                         load_lr_scheduler_states: bool = True):
         """Load a checkpoint saved at any DP size, GAS or ZeRO stage; ``(folder, client_state)``.
         ``micro_steps`` becomes ``global_steps * gradient_accumulation_steps()`` (this run's GAS:
-        :func:`megazero.engine.checkpoint.resumed_micro_steps`)."""
+        :func:`megazero.engine.checkpoint.resumed_micro_steps`). A folder in DeepSpeed 0.19.8's
+        layout (ZeRO 1/2/3, any DP size) is read by :mod:`megazero.checkpoint.deepspeed_files`."""
+        ds_folder = deepspeed_files.folder_of(load_dir, tag)
+        if ds_folder is not None:
+            return deepspeed_files.load(self, ds_folder, load_optimizer_states, load_lr_scheduler_states)
         return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def destroy(self) -> None:
