@@ -226,6 +226,17 @@ def _check_model(ckpt: DeepSpeedCheckpoint, module) -> None:
                                f"here {mine.get(diff)})")
 
 
+def _scheduler_state(ckpt: DeepSpeedCheckpoint, scheduler) -> dict:
+    """DeepSpeed's WarmupLR family saves ``{'last_batch_iteration': i}`` (runtime/lr_schedules.py
+    0.19.8 ``state_dict``; -1 before the first step, its rate that of step ``i``); megazero's
+    config schedulers count ``num_steps = i + 1`` (:mod:`megazero.optim.lr_schedule`), their
+    settings being this run's config. Any other state is handed over as saved."""
+    saved, mine = ckpt.model["lr_scheduler"], scheduler.state_dict()
+    if isinstance(saved, dict) and set(saved) == {"last_batch_iteration"} and "num_steps" in mine:
+        return {**mine, "num_steps": int(saved["last_batch_iteration"]) + 1}
+    return saved
+
+
 def load(engine, folder: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
     """Fill the engine from DeepSpeed's files in ``folder`` (collective; every rank reads every
     saved rank's partition and keeps the overlap with its own shard). Returns ``(folder,
@@ -250,7 +261,7 @@ def load(engine, folder: str, load_optimizer_states: bool = True, load_lr_schedu
             if key in saved_module:
                 module.get_buffer(key).copy_(saved_module[key])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and ckpt.model.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(ckpt.model["lr_scheduler"])
+        engine.lr_scheduler.load_state_dict(_scheduler_state(ckpt, engine.lr_scheduler))
     engine.global_steps = int(ckpt.model["global_steps"])
     engine.skipped_steps = int(ckpt.model.get("skipped_steps", 0))
     engine.global_samples = int(ckpt.model.get("global_samples", 0))

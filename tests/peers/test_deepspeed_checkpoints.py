@@ -1,0 +1,80 @@
+"""DeepSpeed 0.19.8's checkpoint files and ``megazero.initialize``'s engine (issue 45 item 3).
+
+DeepSpeed (CPU accelerator, gloo, DP 2) trains the tiny GPT2LMHeadModel of the engine tests
+(tied LM head, Hugging Face's two param groups, AdamW, clipping, WarmupDecayLR) for 2 optimizer
+steps at ZeRO 1, 2 or 3, saves with ``save_checkpoint`` and trains 2 more steps. megazero's
+engine loads DeepSpeed's folder with ``load_checkpoint`` at DP 2 (the same stage) and at DP 1
+(another stage, GAS 4 so the global batch is the same) and trains the same 2 steps: every
+micro-batch loss equals DeepSpeed's continued run within 1e-5 (relative), and the client state,
+step counters and learning rate come back."""
+
+import os
+import warnings
+
+import pytest
+
+from bench.engine_equivalence import config
+from tests.engine.hf_tiny import batches, build, groups
+
+TOL, GAS, SAVED, MORE = 1e-5, 2, 2, 2
+
+
+def ds_config(stage, system, gas=GAS):
+    cfg = config(stage, system)
+    cfg["gradient_accumulation_steps"] = gas
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                                            "warmup_num_steps": 2, "total_num_steps": 8}}
+    return cfg
+
+
+def _train(engine, steps, micro_of):
+    out = []
+    for step in steps:
+        for ids, labels in micro_of(step):
+            loss = engine(input_ids=ids, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+    return out
+
+
+def deepspeed_worker(rank, world, stage, data, folder):
+    """Train SAVED steps, save, train MORE steps: the losses after the save."""
+    warnings.filterwarnings("ignore")
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build("gpt2")
+    engine = deepspeed.initialize(model=model, model_parameters=groups(model), config=ds_config(stage, "deepspeed"))[0]
+    _train(engine, data[:SAVED], lambda step: step[rank])
+    engine.save_checkpoint(folder, client_state={"epoch": 7})
+    return _train(engine, data[SAVED:], lambda step: step[rank])
+
+
+def megazero_worker(rank, world, stage, data, folder):
+    """Load DeepSpeed's folder at DP ``world`` (GAS keeps the global batch) and train MORE steps."""
+    warnings.filterwarnings("ignore")
+    import megazero
+    model = build("gpt2")
+    gas = GAS * 2 // world
+    engine = megazero.initialize(model=model, model_parameters=groups(model), config=ds_config(stage, "megazero", gas))[0]
+    _, client = engine.load_checkpoint(folder)
+    state = (client, engine.global_steps, engine.global_samples, engine.get_lr())
+    losses = _train(engine, data[SAVED:], lambda step: step[rank] if world == 2 else step[0] + step[1])
+    return state, losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_megazero_engine_continues_deepspeeds_checkpoint(stage, tmp_path, deepspeed_ranks):
+    data = batches("gpt2", SAVED + MORE, 2, GAS)
+    folder = str(tmp_path / "ds")
+    theirs = deepspeed_ranks(deepspeed_worker, 2, stage, data, folder, timeout_s=600)
+    assert sorted(os.listdir(os.path.join(folder, f"global_step{SAVED}")))
+    for world, our_stage in ((2, stage), (1, 3 if stage < 3 else 1)):
+        ours = deepspeed_ranks(megazero_worker, world, our_stage, data, folder, timeout_s=600)
+        client, steps, samples, lr = ours[0][0]
+        assert client.get("epoch") == 7 and steps == SAVED and samples == SAVED * GAS * 2 * 2, ours[0][0]
+        want = [theirs[0], theirs[1]] if world == 2 else [[v for s in range(MORE) for r in range(2)
+                                                           for v in theirs[r][s * GAS:(s + 1) * GAS]]]
+        got = [losses for _, losses in ours]
+        worst = max(abs(a - b) / abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
+        assert [len(g) for g in got] == [len(w) for w in want] and worst <= TOL, (stage, world, worst, got, want)
