@@ -16,8 +16,8 @@ A model-states file holds ``module``, ``buffer_names``, ``param_shapes`` (one or
 ``optimizer_state_dict`` (``zero_stage``, ``partition_count``, ``loss_scaler``):
 
 * ZeRO 1/2 (runtime/zero/stage_1_and_2.py ``state_dict``): ``single_partition_of_fp32_groups[g]``
-  is elements ``[r * P, (r + 1) * P)`` of group ``g``'s flat fp32 vector (``P`` its length, the
-  same on every rank), where the group's parameters lie one after the other in ``param_shapes[g]``
+  is elements ``[r * P, (r + 1) * P)`` of group ``g``'s flat fp32 vector (``P`` rank 0's length;
+  the last rank's is cut at the group's end: ``_get_groups_without_padding``), where the group's parameters lie one after the other in ``param_shapes[g]``
   order, each followed by ``param_alignment_paddings[g][i]`` elements (utils/zero_to_fp32.py
   ``_zero2_merge_trainable_params``); ``base_optimizer_state`` is torch Adam's state dict whose
   ``state[g]`` ``exp_avg`` / ``exp_avg_sq`` have the partition's layout (a list of those per group
@@ -50,30 +50,30 @@ WHO = "engine.load_checkpoint"
 MODEL_12 = "mp_rank_00_model_states.pt"
 
 
-class _Record:
+class Record:
     """Stand-in for a pickled DeepSpeed object: its attributes, nothing else."""
 
 
-class _LossScaler(_Record):
+class LossScalerRecord(Record):
     pass
 
 
-class _DynamicLossScaler(_Record):
+class DynamicLossScalerRecord(Record):
     pass
 
 
-class _FragmentAddress(_Record):
+class FragmentAddressRecord(Record):
     pass
 
 
-class _Stage(int):
+class StageNumber(int):
     """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an ``int`` Enum)."""
 
 
-SAFE = [(_Stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-        (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-        (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-        (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+SAFE = [(StageNumber, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+        (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+        (DynamicLossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+        (FragmentAddressRecord, "deepspeed.utils.tensor_fragment.fragment_address")]
 
 # keys of the model-states file that are DeepSpeed's (engine.py ``_save_checkpoint``); the rest is
 # the caller's client_state
@@ -208,8 +208,8 @@ class DeepSpeedCheckpoint:
                 self.counters = {"step": states[0].get("step", self.model["global_steps"]) if states else 0,
                                  "scaler": osd.get("loss_scaler")}
                 self.opt_path = path
-            elif [f.numel() for f in flats] != lengths:
-                _fail(path, f"flat group sizes {[f.numel() for f in flats]} differ from rank 0's {lengths}")
+            elif len(flats) != len(lengths) or any(f.numel() > n for f, n in zip(flats, lengths)):
+                _fail(path, f"flat group sizes {[f.numel() for f in flats]} do not fit rank 0's {lengths}")
             files.append({"shards": _shards(flats, states, self.stage3)})
         self.shapes = {n: list(s) for group in self.model["param_shapes"] for n, s in group.items()}
         self.shards = engine_files.ShardPieces(files, _pieces(self.model["param_shapes"], lengths, paddings,

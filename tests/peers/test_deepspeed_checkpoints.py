@@ -12,6 +12,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 from bench.engine_equivalence import config
 from tests.engine.hf_tiny import batches, build, groups
@@ -78,3 +79,46 @@ def test_megazero_engine_continues_deepspeeds_checkpoint(stage, tmp_path, deepsp
         got = [losses for _, losses in ours]
         worst = max(abs(a - b) / abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
         assert [len(g) for g in got] == [len(w) for w in want] and worst <= TOL, (stage, world, worst, got, want)
+
+
+def megazero_saving_worker(rank, world, stage, data, folder):
+    """megazero trains SAVED steps, saves DeepSpeed's files, trains MORE: (fp32 weights at the
+    save, the losses after it)."""
+    warnings.filterwarnings("ignore")
+    import megazero
+    model = build("gpt2")
+    engine = megazero.initialize(model=model, model_parameters=groups(model), config=ds_config(stage, "megazero"))[0]
+    _train(engine, data[:SAVED], lambda step: step[rank])
+    engine.save_checkpoint(folder, client_state={"epoch": 7}, format="deepspeed")
+    weights = engine.module_state_dict()
+    return weights, _train(engine, data[SAVED:], lambda step: step[rank])
+
+
+def deepspeed_loading_worker(rank, world, stage, data, folder):
+    """DeepSpeed loads megazero's DeepSpeed-layout folder and trains MORE steps."""
+    warnings.filterwarnings("ignore")
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build("gpt2")
+    engine = deepspeed.initialize(model=model, model_parameters=groups(model), config=ds_config(stage, "deepspeed"))[0]
+    _, client = engine.load_checkpoint(folder)
+    state = (client.get("epoch"), engine.global_steps, engine.global_samples)
+    return state, _train(engine, data[SAVED:], lambda step: step[rank])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_reads_megazero_engines_deepspeed_files(stage, tmp_path, deepspeed_ranks):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    data = batches("gpt2", SAVED + MORE, 2, GAS)
+    folder = str(tmp_path / "mz")
+    ours = deepspeed_ranks(megazero_saving_worker, 2, stage, data, folder, timeout_s=600)
+    weights = ours[0][0]
+    recovered = get_fp32_state_dict_from_zero_checkpoint(folder)
+    params = dict(build("gpt2").named_parameters(remove_duplicate=False))
+    assert set(recovered) >= set(params)
+    for name in params:
+        assert torch.equal(recovered[name], weights[name]), name
+    theirs = deepspeed_ranks(deepspeed_loading_worker, 2, stage, data, folder, timeout_s=600)
+    assert all(state == (7, SAVED, SAVED * GAS * 2 * 2) for state, _ in theirs), theirs
+    worst = max(abs(a - b) / abs(b) for r in range(2) for a, b in zip(theirs[r][1], ours[r][1]))
+    assert worst <= TOL, (stage, worst, theirs, ours)
