@@ -185,11 +185,14 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> s
                                          os.path.join(tmp, ds.MODEL_12), tmp)
     error = error or _write(_optim_states(engine, saved, groups, rank, stage3),
                             os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"), tmp)
-    agree_on_writes(error, rank, tmp, f"engine.save_checkpoint {final}",
-                    f"{os.path.join(save_dir, 'latest')} and any earlier {final} are as they were")
-    if rank == 0:
-        replace_folder(tmp, final)
-        atomic_write_text(os.path.join(save_dir, "latest"), str(tag))
-        shutil.rmtree(scratch, ignore_errors=True)
+    try:  # every rank has read the scratch folder once the writes are agreed on (or failed)
+        agree_on_writes(error, rank, tmp, f"engine.save_checkpoint {final}",
+                        f"{os.path.join(save_dir, 'latest')} and any earlier {final} are as they were")
+        if rank == 0:
+            replace_folder(tmp, final)
+            atomic_write_text(os.path.join(save_dir, "latest"), str(tag))
+    finally:
+        if rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
     return final
