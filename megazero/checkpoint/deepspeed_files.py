@@ -17,8 +17,9 @@ A model-states file holds ``module``, ``buffer_names``, ``param_shapes`` (one or
 
 * ZeRO 1/2 (runtime/zero/stage_1_and_2.py ``state_dict``): ``single_partition_of_fp32_groups[g]``
   is elements ``[r * P, (r + 1) * P)`` of group ``g``'s flat fp32 vector (``P`` rank 0's length;
-  the last rank's is cut at the group's end: ``_get_groups_without_padding``), where the group's parameters lie one after the other in ``param_shapes[g]``
-  order, each followed by ``param_alignment_paddings[g][i]`` elements (utils/zero_to_fp32.py
+  the last rank's is cut at the group's end: ``_get_groups_without_padding``), where the group's
+  parameters lie one after the other in ``param_shapes[g]`` order, each followed by
+  ``param_alignment_paddings[g][i]`` elements (utils/zero_to_fp32.py
   ``_zero2_merge_trainable_params``); ``base_optimizer_state`` is torch Adam's state dict whose
   ``state[g]`` ``exp_avg`` / ``exp_avg_sq`` have the partition's layout (a list of those per group
   when ``elastic_checkpoint`` is on).
@@ -136,7 +137,8 @@ def _optim_state(path: str, sd: dict) -> tuple[list, list]:
     elif "single_partition_of_fp32_groups" in osd:
         flats, base = osd["single_partition_of_fp32_groups"], osd["base_optimizer_state"]
     else:
-        _fail(path, "no 'single_partition_of_fp32_groups' or 'fp32_flat_groups' (a ZeRO stage this reader does not map)")
+        _fail(path, "no 'single_partition_of_fp32_groups' or 'fp32_flat_groups' "
+                    "(a ZeRO stage this reader does not map)")
     states = base if isinstance(base, list) else [base["state"].get(g, {}) for g in range(len(flats))]
     return list(flats), states
 

@@ -176,8 +176,8 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> s
         os.makedirs(tmp)
     dist.barrier()
     if stage3:
-        empty = {k: (torch.empty(0, dtype=v.dtype) if k in dict(engine.module.named_parameters(remove_duplicate=False))
-                     else v) for k, v in module_sd.items()}
+        params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+        empty = {k: torch.empty(0, dtype=v.dtype) if k in params else v for k, v in module_sd.items()}
         error = _write(_model_states(engine, groups, aliases, empty, client_state),
                        os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), tmp)
     else:

@@ -92,7 +92,8 @@ def test_a_damaged_or_mismatched_deepspeed_folder_is_refused_in_one_line(tmp_pat
     data, folder = _data(2, STEPS), str(tmp_path / "ds")
     run_distributed(_save, 2, 2, data, folder, timeout_s=120)
     tag = os.path.join(folder, "global_step2")
-    optim1, model = os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"), os.path.join(tag, "mp_rank_00_model_states.pt")
+    optim1 = os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    model = os.path.join(tag, "mp_rank_00_model_states.pt")
 
     def refused(width=8):
         before = _snapshot(folder)

@@ -57,7 +57,8 @@ def megazero_worker(rank, world, stage, data, folder):
     import megazero
     model = build("gpt2")
     gas = GAS * 2 // world
-    engine = megazero.initialize(model=model, model_parameters=groups(model), config=ds_config(stage, "megazero", gas))[0]
+    engine = megazero.initialize(model=model, model_parameters=groups(model),
+                                 config=ds_config(stage, "megazero", gas))[0]
     _, client = engine.load_checkpoint(folder)
     state = (client, engine.global_steps, engine.global_samples, engine.get_lr())
     losses = _train(engine, data[SAVED:], lambda step: step[rank] if world == 2 else step[0] + step[1])
