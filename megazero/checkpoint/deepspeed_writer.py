@@ -11,6 +11,8 @@ cites DeepSpeed's code). DeepSpeed's own partitioning is reproduced:
   writes elements ``[r * P, (r + 1) * P)`` cut at the unpadded end (``_get_groups_without_padding``),
   its moments over the whole ``P`` (zeros in the padding), as torch AdamW's rigid state dict.
 * ZeRO 3 (runtime/zero/stage3.py): every parameter's ``ceil(n / dp)``-element piece ``r``.
+* A bf16 engine's optim-states files are named ``bf16_zero_pp_rank_*`` (engine.py
+  ``_get_zero_ckpt_prefix``, ``bf16_mode = self.bfloat16_enabled()``).
 
 What DeepSpeed's loaders need beyond the tensors: stage 3's ``_rigid_load_state_dict`` assigns
 ``loss_scaler`` (a ``deepspeed.runtime.fp16.loss_scaler.LossScaler``) and reads
@@ -183,8 +185,9 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> s
     else:
         error = None if rank else _write(_model_states(engine, groups, aliases, module_sd, client_state),
                                          os.path.join(tmp, ds.MODEL_12), tmp)
+    prefix = "bf16_" if engine.config.params_dtype == torch.bfloat16 else ""  # engine.py _get_zero_ckpt_prefix
     error = error or _write(_optim_states(engine, saved, groups, rank, stage3),
-                            os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"), tmp)
+                            os.path.join(tmp, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"), tmp)
     try:  # every rank has read the scratch folder once the writes are agreed on (or failed)
         agree_on_writes(error, rank, tmp, f"engine.save_checkpoint {final}",
                         f"{os.path.join(save_dir, 'latest')} and any earlier {final} are as they were")

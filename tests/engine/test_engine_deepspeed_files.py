@@ -138,3 +138,25 @@ def test_a_failed_deepspeed_layout_save_keeps_the_previous_checkpoint(tmp_path):
         assert failed is not None and "rank 0:" in failed and "mp_rank_00_model_states.pt" in failed, failed
     assert sorted(os.listdir(tmp_path)) == ["good", "latest"]  # no tmp or scratch folder left
     assert (tmp_path / "latest").read_text() == "good"
+
+
+def _bf16_round_trip(rank, world, data, folder):
+    import megazero
+    cfg = {**_cfg(2, 2), "bf16": {"enabled": True}}
+    engine = megazero.initialize(model=_mlp(), config=cfg)[0]
+    for x, y in data[0][rank]:
+        engine.backward(((engine(x.bfloat16()).float() - y) ** 2).mean())
+        engine.step()
+    engine.save_checkpoint(folder, "t", format="deepspeed")
+    files = sorted(os.listdir(os.path.join(folder, "t")))
+    other = megazero.initialize(model=_mlp(), config=cfg)[0]
+    other.load_checkpoint(folder)
+    same = all(torch.equal(a, b) for a, b in zip(engine.module_state_dict().values(),
+                                                 other.module_state_dict().values()))
+    return files, same
+
+
+def test_a_bf16_engine_writes_deepspeeds_bf16_names(tmp_path):
+    files, same = run_distributed(_bf16_round_trip, 2, _data(2, 1), str(tmp_path), timeout_s=120)[0]
+    assert files == [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)] + [
+        "mp_rank_00_model_states.pt"] and same, files
