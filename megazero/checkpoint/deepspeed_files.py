@@ -95,11 +95,12 @@ def _optim_file(folder: str, r: int) -> str:
 
 
 def load_file(path: str) -> dict:
-    """One DeepSpeed file, ``weights_only=True`` with only :data:`SAFE`'s DeepSpeed names allowed;
-    a missing or unreadable one raises :class:`CheckpointError` naming it, in one line."""
+    """One DeepSpeed file, ``weights_only=True`` with only :data:`SAFE`'s DeepSpeed names allowed,
+    opened with ``mmap`` (a rank copies only the overlap with its shard); a missing or unreadable
+    one raises :class:`CheckpointError` naming it, in one line."""
     try:
         with torch.serialization.safe_globals(SAFE):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"{WHO}: {path} is missing") from None
     except Exception as e:  # truncated zip, bad pickle, a class not allowed
@@ -195,6 +196,9 @@ class DeepSpeedCheckpoint:
         if not isinstance(self.model.get("param_shapes"), list) or "dp_world_size" not in self.model:
             _fail(self.model_path, "no 'param_shapes' list or 'dp_world_size' (not a DeepSpeed model-states file)")
         self.world = int(self.model["dp_world_size"])
+        if self.model.get("optimizer") is not None and not os.path.isfile(_optim_file(folder, 0)):
+            _fail(self.model_path, "saved without ZeRO (the optimizer inside the model-states file); "
+                                   "this reader maps ZeRO 1, 2 and 3")
         files, lengths, paddings = [], None, None
         for r in range(self.world):
             path = _optim_file(folder, r)

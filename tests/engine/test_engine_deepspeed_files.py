@@ -109,6 +109,12 @@ def test_a_damaged_or_mismatched_deepspeed_folder_is_refused_in_one_line(tmp_pat
     message = refused()
     assert os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt") in message
     assert "partitioned over 2 ranks" in message and "dp_world_size 1" in message, message
+    optim0 = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    os.rename(optim0, optim0 + ".away")
+    torch.save({**states, "optimizer": {"state": {}}}, model)  # DeepSpeed without ZeRO
+    message = refused()
+    assert model in message and "saved without ZeRO" in message, message
+    os.rename(optim0 + ".away", optim0)
     torch.save(states, model)
     whole = open(optim1, "rb").read()
     with open(optim1, "wb") as f:
