@@ -148,23 +148,15 @@ def _load(path: str, mmap: bool = False):
         raise CheckpointError(f"engine.load_checkpoint: {path} cannot be read ({type(e).__name__}: {e})") from None
 
 
-class SavedShards:
-    """Every saved rank's shards, opened with ``mmap``: ``pieces[name]`` = ``[(a, b, rank, region,
-    lo)]``: elements ``[a, b)`` of parameter ``name`` are elements ``[lo, lo + b - a)`` of that
-    rank's region shard. ZeRO stage 0 keeps no shards: every DP rank's file holds the whole
-    replicated state, so only rank 0's is read (reading all would count each element DP times)."""
+class ShardPieces:
+    """Saved flat shards read by element ranges: ``files[r]["shards"][k][kind]`` is rank ``r``'s
+    shard ``k`` of ``kind`` (``master``, ``exp_avg``, ``exp_avg_sq``); ``pieces[name]`` =
+    ``[(a, b, rank, k, lo)]``: elements ``[a, b)`` of parameter ``name`` are elements
+    ``[lo, lo + b - a)`` of that shard. Filled by :class:`SavedShards` (this format) and by
+    :mod:`megazero.checkpoint.deepspeed_files` (DeepSpeed's partitions)."""
 
-    def __init__(self, folder: str, meta: dict):
-        ranks = 1 if meta["stage"] == 0 else meta["dp"]
-        self.files = [_load(_rank_file(folder, r), mmap=True) for r in range(ranks)]
-        self.pieces: dict[str, list] = {}
-        for r, saved in enumerate(self.files):
-            for k, region in enumerate(saved["layout"]):
-                lo, hi = region["shard_lo"], region["shard_lo"] + region["shard_len"]
-                for name, o, n in region["params"]:
-                    a, b = max(o, lo), min(o + n, hi)
-                    if a < b:
-                        self.pieces.setdefault(name, []).append((a - o, b - o, r, k, a - lo))
+    def __init__(self, files: list, pieces: dict):
+        self.files, self.pieces = files, pieces
 
     def read(self, name: str, kind: str, a: int, b: int) -> torch.Tensor:
         """Elements ``[a, b)`` of the flattened saved ``kind`` of parameter ``name``."""
@@ -184,6 +176,23 @@ class SavedShards:
         for s in shape:
             n *= s
         return self.read(name, "master", 0, n).view(shape)
+
+
+class SavedShards(ShardPieces):
+    """Every saved rank's shards, opened with ``mmap`` (:class:`ShardPieces`, ``k`` the region).
+    ZeRO stage 0 keeps no shards: every DP rank's file holds the whole replicated state, so only
+    rank 0's is read (reading all would count each element DP times)."""
+
+    def __init__(self, folder: str, meta: dict):
+        ranks = 1 if meta["stage"] == 0 else meta["dp"]
+        super().__init__([_load(_rank_file(folder, r), mmap=True) for r in range(ranks)], {})
+        for r, saved in enumerate(self.files):
+            for k, region in enumerate(saved["layout"]):
+                lo, hi = region["shard_lo"], region["shard_lo"] + region["shard_len"]
+                for name, o, n in region["params"]:
+                    a, b = max(o, lo), min(o + n, hi)
+                    if a < b:
+                        self.pieces.setdefault(name, []).append((a - o, b - o, r, k, a - lo))
 
 
 def load(engine, load_dir: str, tag: str | None, load_optimizer_states: bool = True,

@@ -118,14 +118,14 @@ class PendingSave:
         return self.final
 
 
-def write_file(state, path: str, folder: str) -> str | None:
-    """``torch.save(state)`` to ``path`` through ``path.partial`` (a crash leaves no half file under
-    the final name); the failure as one line naming the file and cause (and the free space of
+def write_file(state, path: str, folder: str, pickle_module=None) -> str | None:
+    """``torch.save(state)`` (with ``pickle_module`` when given) to ``path`` through
+    ``path.partial`` (a crash leaves no half file under the final name); the failure as one line naming the file and cause (and the free space of
     ``folder``), or None."""
     partial = path + ".partial"
     try:  # through a Python file: a failed write raises OSError with its errno (ENOSPC, EFBIG, ...)
         with open(partial, "wb") as fh:
-            torch.save(state, fh)
+            torch.save(state, fh, **({"pickle_module": pickle_module} if pickle_module is not None else {}))
         os.replace(partial, path)
         return None
     except BaseException as e:  # reported on every rank by agree_on_writes: the file and the cause

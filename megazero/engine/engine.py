@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.checkpoint import engine as checkpoint
+from megazero.checkpoint import deepspeed_files, deepspeed_writer, engine as checkpoint
 from .checks import check_unchanged, parameter_signature
 
 
@@ -121,19 +121,30 @@ class ZeroEngine(nn.Module):
 
     # ---- checkpoints (megazero.checkpoint.engine) -----------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> str:
-        """Every rank writes its shards to ``save_dir/tag`` (default tag ``global_step{N}``, as
-        DeepSpeed); collective. Returns the folder."""
+                        save_latest: bool = True, format: str = "megazero") -> str:
+        """Every rank writes its part to ``save_dir/tag`` (default tag ``global_step{N}``, as
+        DeepSpeed); collective. Returns the folder. ``format="megazero"`` (default): the engine's
+        sharded files, loadable here at any DP size and stage; ``format="deepspeed"``: DeepSpeed
+        0.19.8's files (ZeRO 1-3), for DeepSpeed's ``zero_to_fp32`` and ``load_checkpoint`` at this
+        DP size (:mod:`megazero.checkpoint.deepspeed_writer`). ``load_checkpoint`` reads both."""
         if not save_latest:
             raise ValueError("engine.save_checkpoint(save_latest=False) is not available: 'latest' is always written")
-        return checkpoint.save(self, save_dir, tag if tag is not None else f"global_step{self.global_steps}",
-                               client_state)
+        if format not in ("megazero", "deepspeed"):
+            raise ValueError(f"engine.save_checkpoint: format {format!r} is not 'megazero' or 'deepspeed'")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        if format == "deepspeed":
+            return deepspeed_writer.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True):
         """Load a checkpoint saved at any DP size, GAS or ZeRO stage; ``(folder, client_state)``.
         ``micro_steps`` becomes ``global_steps * gradient_accumulation_steps()`` (this run's GAS:
-        :func:`megazero.engine.checkpoint.resumed_micro_steps`)."""
+        :func:`megazero.engine.checkpoint.resumed_micro_steps`). A folder in DeepSpeed 0.19.8's
+        layout (ZeRO 1/2/3, any DP size) is read by :mod:`megazero.checkpoint.deepspeed_files`."""
+        ds_folder = deepspeed_files.folder_of(load_dir, tag)
+        if ds_folder is not None:
+            return deepspeed_files.load(self, ds_folder, load_optimizer_states, load_lr_scheduler_states)
         return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     def destroy(self) -> None:
