@@ -50,7 +50,7 @@ from megazero.config.failures import describe
 from megazero.model.saved_args import model_arg_diffs
 from megazero.tensor_parallel.spec import to_local
 
-FORMAT = "torch_dcp"
+FORMAT = schema.TORCH_DCP
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OPTIM_PREFIX = "optimizer.state."
 
@@ -127,8 +127,9 @@ def save_dcp(root: str, *, topo, stages, optimizer, model_config, scheduler_stat
     if rank == 0:
         opt = optimizer.state_dict(shards=False)
         opt.pop("shards", None)
-        meta = schema.metadata(iteration, consumed_samples, layout, saved_args, None, format=FORMAT,
-                               scheduler=scheduler_state, counters=counters, optimizer=opt if save_optim else None)
+        meta = schema.metadata(iteration, consumed_samples, layout, saved_args, None, **{
+            schema.FORMAT: FORMAT, schema.SCHEDULER: scheduler_state, schema.COUNTERS: counters,
+            schema.OPTIMIZER: opt if save_optim else None})
         files.atomic_write_text(schema.metadata_file(tmp), json.dumps(meta, indent=1, sort_keys=True))
         files.replace_folder(tmp, final)
         files.atomic_write_text(schema.latest_file(root), f"{iteration}\n")
@@ -190,7 +191,7 @@ def load_dcp(root: str, iteration: int, *, topo, stages, optimizer, model_config
     if diffs:
         raise CheckpointError(model_mismatch_message(folder, diffs))
     sizes = {fqn: md.size for fqn, md in check_dcp_files(folder).state_dict_metadata.items()}
-    with_optim = load_optim and meta.get("optimizer") is not None
+    with_optim = load_optim and meta.get(schema.OPTIMIZER) is not None
     read = _reader(folder, sizes, model_config)
     info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(stages.chunks)}
     cache = {}
@@ -206,7 +207,7 @@ def load_dcp(root: str, iteration: int, *, topo, stages, optimizer, model_config
 
     optimizer.load_param_ranges(fetch, ("master",) + MOMENTS if with_optim else ("weight",))
     if with_optim:
-        counters = dict(meta["optimizer"])
+        counters = dict(meta[schema.OPTIMIZER])
         if set(counters["scaler"]) != set(optimizer.scaler.state_dict()):
             counters["scaler"] = optimizer.scaler.state_dict()
         optimizer.load_counters(counters)
@@ -215,5 +216,5 @@ def load_dcp(root: str, iteration: int, *, topo, stages, optimizer, model_config
               "not restored from a DCP checkpoint, this run's --seed streams are used", flush=True)
     if finetune:
         return Loaded(FORMAT, 0, 0, None, None)
-    return Loaded(FORMAT, meta[schema.ITERATION], meta[schema.CONSUMED_SAMPLES], meta.get("scheduler"),
-                  meta.get("counters"))
+    return Loaded(FORMAT, meta[schema.ITERATION], meta[schema.CONSUMED_SAMPLES], meta.get(schema.SCHEDULER),
+                  meta.get(schema.COUNTERS))

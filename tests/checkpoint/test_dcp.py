@@ -92,6 +92,8 @@ def test_dcp_missing_shard_is_one_line(tmp_path):
         + layout_flags(2, 1, None, 0))
     folder = root / "iter_0000003"
     check_dcp_files(str(folder))
+    with pytest.raises(schema.CheckpointError, match="is a PyTorch DCP checkpoint .*dcp_to_torch_save$"):
+        CheckpointReader(str(root))  # megazero's own reader (to-fp32, load_model) says what it is
     before = sorted(p.name for p in folder.iterdir())
     (folder / "__1_0.distcp").unlink()
     with pytest.raises(schema.CheckpointError, match=r"__1_0\.distcp is missing: the DCP checkpoint lacks a shard"):
@@ -102,3 +104,11 @@ def test_dcp_missing_shard_is_one_line(tmp_path):
     (folder / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(schema.CheckpointError, match=r"__0_0\.distcp is truncated"):
         check_dcp_files(str(folder))
+
+
+def test_dcp_flag_checks(capsys):
+    from megazero.arguments import parse_args
+    assert parse_args(BASE + ["--ckpt-format", "torch_dcp"], world_size=1).ckpt_format == "torch_dcp"
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--ckpt-format", "torch_dcp", "--async-save", "--save", "x"], world_size=1)
+    assert "--ckpt-format torch_dcp with --async-save is not available" in capsys.readouterr().err
