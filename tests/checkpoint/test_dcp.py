@@ -114,3 +114,19 @@ def test_dcp_flag_checks(capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--ckpt-format", "torch_dcp", "--async-save", "--save", "x"], world_size=1)
     assert "--ckpt-format torch_dcp with --async-save is not available" in capsys.readouterr().err
+
+
+def test_dcp_bf16_virtual_stages(tmp_path):
+    """bf16, PP 2 x VP 2 x DP 2, ZeRO 2: the fp32 masters out; loaded at TP 2 it trains as the
+    same checkpoint in megazero's format loaded there (both resharded: weights = bf16(master))."""
+    save = BASE + ["--bf16"] + layout_flags(1, 2, 2, 2)
+    src, _ = train_reference(tmp_path, "A", 4, save)
+    dcp_root = tmp_path / "B"
+    run(4, save + ["--ckpt-format", "torch_dcp", "--save", str(dcp_root), "--save-interval", "3"])
+    (dcp_root / schema.LATEST).write_text("3\n")
+    dcp_to_torch_save(str(dcp_root / "iter_0000003"), str(tmp_path / "dcp.pt"))
+    got, want = torch.load(tmp_path / "dcp.pt", weights_only=True), expected_state(tmp_path, src)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    back = BASE + ["--bf16"] + layout_flags(2, 1, None, 1)
+    ours, theirs = run(2, back + ["--load", str(dcp_root)]), run(2, back + ["--load", str(src)])
+    assert [it for it, _ in ours] == [4, 5, 6] and ours == theirs
