@@ -77,6 +77,19 @@ class ShardPlanner(DefaultSavePlanner):
         return self.pieces[(index.fqn, tuple(index.offset))].tensor
 
 
+def cause(error: BaseException, folder: str) -> str:
+    """One line for a DCP failure: a ``CheckpointException`` (a ``BaseException`` holding each
+    failed rank's exception and traceback) as its first rank's exception, described (``folder``:
+    the file named when the error names none)."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        rank, (first, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
+        text = f"DCP rank {rank}: {describe(first, default_file=folder)}"
+    else:
+        text = describe(error, default_file=folder)
+    text = " ".join(text.split())  # torch.load's messages span lines
+    return text if len(text) <= 400 else text[:400] + " ..."
+
+
 def rank_pieces(topo, stages, optimizer, config, save_optim: bool) -> list:
     """The rectangles this rank writes: its fp32 master (and moment) shards, cut per parameter."""
     info = {id(p): (name, tuple(p.shape), split) for _, name, _, _, p, split in named_parameters(stages.chunks)}
@@ -121,8 +134,8 @@ def save_dcp(root: str, *, topo, stages, optimizer, model_config, scheduler_stat
     try:
         dcp.save({f"{p.fqn}@{p.offsets}": p.tensor for p in pieces}, storage_writer=FileSystemWriter(tmp),
                  planner=ShardPlanner(pieces))
-    except Exception as e:  # reported on every rank by agree_on_writes
-        error = f"{tmp}: {describe(e, default_file=tmp)}"
+    except (Exception, dcp.CheckpointException) as e:  # reported on every rank by agree_on_writes
+        error = f"{tmp}: {cause(e, tmp)}"
     files.agree_on_writes(error, rank, tmp, "saving the DCP checkpoint", "the previous checkpoint is kept")
     if rank == 0:
         opt = optimizer.state_dict(shards=False)
@@ -161,9 +174,14 @@ def check_dcp_files(folder: str):
     return metadata
 
 
-def _reader(folder: str, sizes: dict, config):
+def _reader(folder: str, metadata, config):
     """``read(name, kind)``: megazero's full fp32 tensor ``name`` (``kind`` ``master``/``weight``
     or a moment) from the DCP folder, its HF tensors read alone (``dcp.load``, no collective)."""
+    sizes = {fqn: md.size for fqn, md in metadata.state_dict_metadata.items()}
+    files_of = {}
+    for index, info in (metadata.storage_data or {}).items():
+        files_of.setdefault(index.fqn, set()).add(os.path.join(folder, info.relative_path))
+
     def read(name: str, kind: str) -> torch.Tensor:
         pre, post = ("", "") if kind in ("master", "weight") else (OPTIM_PREFIX, f".{kind}")
         state = {}
@@ -171,7 +189,11 @@ def _reader(folder: str, sizes: dict, config):
             if pre + src + post not in sizes:
                 raise CheckpointError(f"{folder}: no tensor {pre + src + post!r} (parameter {name}'s {kind})")
             state[pre + src + post] = torch.empty(sizes[pre + src + post], dtype=torch.float32)
-        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:
+            paths = sorted(set().union(*(files_of.get(k, set()) for k in state)))
+            raise CheckpointError(f"{' or '.join(paths)}: cannot read {', '.join(state)}: {cause(e, folder)}") from None
         full = full_from_hf(name, {k[len(pre):len(k) - len(post)]: v for k, v in state.items()}, config)
         if post and config.apply_layernorm_1p and name.endswith("norm.weight"):
             full = full + 1  # a moment is not shifted (full_from_hf took 1 off, as from a weight)
@@ -190,9 +212,8 @@ def load_dcp(root: str, iteration: int, *, topo, stages, optimizer, model_config
     diffs = model_arg_diffs(meta.get(schema.ARGS, {}), model_config.to_args())
     if diffs:
         raise CheckpointError(model_mismatch_message(folder, diffs))
-    sizes = {fqn: md.size for fqn, md in check_dcp_files(folder).state_dict_metadata.items()}
     with_optim = load_optim and meta.get(schema.OPTIMIZER) is not None
-    read = _reader(folder, sizes, model_config)
+    read = _reader(folder, check_dcp_files(folder), model_config)
     info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(stages.chunks)}
     cache = {}
 

@@ -103,9 +103,14 @@ def test_dcp_missing_shard_is_one_line(tmp_path):
     with pytest.raises(Exception, match=r"__1_0\.distcp is missing"):
         run(1, BASE + ["--load", str(root)], train=False)
     assert sorted(p.name for p in folder.iterdir()) == [n for n in before if n != "__1_0.distcp"]
+    size = (folder / "__0_0.distcp").stat().st_size
     (folder / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(schema.CheckpointError, match=r"__0_0\.distcp is truncated"):
         check_dcp_files(str(folder))
+    (folder / "__0_0.distcp").write_bytes(b"\0" * size)  # the right length, not DCP's bytes
+    (folder / "__1_0.distcp").write_bytes(b"\0" * size * 2)
+    with pytest.raises(Exception, match=r"__\d_0\.distcp: cannot read .*: DCP rank 0: \w+"):
+        run(1, BASE + ["--load", str(root)], train=False)
 
 
 def test_dcp_flag_checks(capsys):
