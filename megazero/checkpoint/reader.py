@@ -45,6 +45,10 @@ class CheckpointReader(ResplitReads):
         self.root, self.iteration = load_dir, int(iteration)
         self.directory = schema.iteration_dir(load_dir, self.iteration)
         self.metadata = files.read_metadata(load_dir, self.iteration)
+        if self.metadata.get(schema.FORMAT) == schema.TORCH_DCP:
+            raise CheckpointError(f"{self.directory} is a PyTorch DCP checkpoint (--ckpt-format torch_dcp): load it "
+                                  "with --load, or make one file of it with torch.distributed.checkpoint."
+                                  "format_utils.dcp_to_torch_save")
         self.args = dict(self.metadata.get(schema.ARGS, {}))
         self.layout = self.metadata.get(schema.LAYOUT, {})
         self.ranks, self.aliases = schema.read_index(self.metadata, schema.metadata_file(self.directory))

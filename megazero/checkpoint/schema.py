@@ -75,6 +75,8 @@ DENSE_VERSION = 3  # what an index without expert-grid entries or buffers is wri
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
+FORMAT = "format"  # metadata.json key: "torch_dcp" in a DCP folder (megazero/checkpoint/dcp.py); absent in this format
+TORCH_DCP = "torch_dcp"
 
 # rank-file keys
 MODEL, RNG, SCHEDULER, COUNTERS, OPTIMIZER = "model", "rng", "scheduler", "counters", "optimizer"

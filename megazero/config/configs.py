@@ -179,6 +179,9 @@ class CheckpointConfig:
     """``--exit-on-missing-checkpoint``: no checkpoint in ``--load`` exits instead of starting anew."""
     overwrite: bool = False
     """``--overwrite-checkpoints``: ``--save`` may hold another run's checkpoints."""
+    ckpt_format: str = "torch_dist"
+    """``--ckpt-format``: ``torch_dist`` / ``torch`` megazero's format, ``torch_dcp`` a PyTorch DCP
+    folder (:mod:`megazero.checkpoint.dcp`). ``--load`` reads either, whatever this says."""
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,8 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load and no checkpoint there, exit instead of starting from scratch")
     g.add_argument("--ckpt-format", default="torch_dist",
-                   help="torch_dist or torch: megazero's format (reshards on load, like torch_dist)")
+                   help="torch_dist or torch: megazero's format (reshards on load, like torch_dist); "
+                        "torch_dcp: a PyTorch DCP folder (docs/checkpoints.md, Formats)")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")

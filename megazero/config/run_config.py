@@ -87,7 +87,7 @@ def checkpoint_config(args) -> CheckpointConfig:
                             save_rng=not args.no_save_rng, load_optim=not args.no_load_optim,
                             load_rng=not args.no_load_rng, finetune=args.finetune,
                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
-                            overwrite=args.overwrite_checkpoints)
+                            overwrite=args.overwrite_checkpoints, ckpt_format=args.ckpt_format)
 
 
 def logging_config(args) -> LoggingConfig:

@@ -8,6 +8,8 @@ import time
 from megazero.checkpoint import schema
 from megazero.checkpoint.api import load_run, reserve_save, start_save
 from megazero.checkpoint.async_writer import AsyncWriter
+from megazero.checkpoint.dcp import is_dcp, load_dcp, save_dcp
+from megazero.checkpoint.files import latest_iteration
 
 
 def print_rank(rank: int, target: int, text: str) -> None:
@@ -30,6 +32,16 @@ class TrainerCheckpoints:
         self.finish_save()
         self.optimizer.wait_params()
         t0 = time.time()
+        if ck.ckpt_format == "torch_dcp":
+            path = save_dcp(ck.save, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                            model_config=self.model_config, scheduler_state=self.scheduler.state_dict(),
+                            counters={"skipped": self.skipped, "nans": self.nans}, iteration=self.iteration,
+                            consumed_samples=self.consumed_samples, layout=self.layout_record(),
+                            saved_args={**self.config.flags, **self.model_config.to_args(self.topo.tp)},
+                            save_optim=ck.save_optim)
+            print_rank(self.rank, 0, f"saved DCP checkpoint at iteration {self.iteration:7d} to {path} "
+                                      f"in {time.time() - t0:.2f} s")
+            return
         pending = start_save(ck.save, **self._rank_state_args(), iteration=self.iteration,
                              consumed_samples=self.consumed_samples, layout=self.layout_record(),
                              saved_args={**self.config.flags, **self.model_config.to_args(self.topo.tp)},
@@ -88,9 +100,14 @@ class TrainerCheckpoints:
         this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
         ck = self.config.checkpoint
         self.optimizer.wait_params()
-        loaded = load_run(ck.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                          layout=self.layout_record(), model_config=self.model_config, device=self.device,
-                          load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune)
+        iteration = latest_iteration(ck.load) if ck.load else None
+        if iteration is not None and is_dcp(ck.load, iteration):
+            loaded = load_dcp(ck.load, iteration, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                              model_config=self.model_config, load_optim=ck.load_optim, finetune=ck.finetune)
+        else:
+            loaded = load_run(ck.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
+                              layout=self.layout_record(), model_config=self.model_config, device=self.device,
+                              load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune)
         if loaded is None:
             if ck.exit_on_missing_checkpoint:
                 print_rank(self.rank, 0, f">> no checkpoint in --load {ck.load} and --exit-on-missing-checkpoint "
