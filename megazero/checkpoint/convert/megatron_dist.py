@@ -31,9 +31,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megazero.checkpoint.convert.megatron import (TRACKER, config_from_megatron_args, load_megatron_file,
                                                   megazero_name)
@@ -142,14 +144,26 @@ class MegatronDistCheckpoint:
             if covered != item.size.numel():
                 raise CheckpointError(f"{self.directory}: {key}: the saved pieces cover {covered} of "
                                       f"{item.size.numel()} elements")
+            self._check_files(key)
             target = {key: torch.empty(item.size, dtype=item.properties.dtype)}
             try:
-                dcp.load(target, storage_reader=self.reader, no_dist=True)
-            except Exception as e:  # DCP wraps a missing or short .distcp file in its own errors
-                cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant so
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(target, storage_reader=self.reader, no_dist=True)
+            except (Exception, CheckpointException) as e:  # a short .distcp file: DCP's wrapped errors
+                inner = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
+                cause = f"{type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}"
                 raise CheckpointError(f"{self.directory}: cannot read {key} ({cause})") from e
             self.loaded[key] = target[key]
         return self.loaded[key]
+
+    def _check_files(self, key: str) -> None:
+        """Every ``.distcp`` file holding a piece of ``key`` is there (DCP's ``storage_data``)."""
+        storage = self.reader.read_metadata().storage_data or {}
+        for index, info in storage.items():
+            path = os.path.join(self.directory, getattr(info, "relative_path", ""))
+            if index.fqn == key and not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing (it holds part of {key}): an incomplete torch_dist checkpoint")
 
     def full_tensor(self, name: str) -> torch.Tensor:
         if name not in self.sources:

@@ -1,0 +1,87 @@
+"""Megatron-LM ``torch_dist`` checkpoints (tests/checkpoint/megatron_dist_format.py, written with
+``torch.distributed.checkpoint`` as megatron-core 0.16.1 writes them) import with
+``from-megatron``: the model's tensors and logits exactly; ``--load`` of the folder is refused
+with the command; bad folders are refused in one line naming the file, nothing written."""
+import os
+
+import pytest
+import torch
+
+from megazero.checkpoint import files
+from megazero.checkpoint.schema import CheckpointError
+from tests.checkpoint.megatron_dist_format import write_torch_dist_checkpoint
+from tests.checkpoint.test_convert_checkpoint import tool
+from tests.checkpoint.test_megatron_import import GPT2ISH, LLAMAISH, QWEN2ISH, converted_model, direct_model, logits_of
+
+
+def snapshot(root):
+    return sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("kw", [GPT2ISH, LLAMAISH, QWEN2ISH])
+def test_from_megatron_torch_dist_logits(tmp_path, kw):
+    model = direct_model(kw)
+    full = model.full_state_dict()
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), full, model.config, iteration=7)
+    before = snapshot(src)
+    assert tool().main(["from-megatron", "--load", src, "--save", str(tmp_path / "mz")]) == 0
+    assert snapshot(src) == before  # nothing written into the source folder
+    ours, reader = converted_model(str(tmp_path / "mz"))
+    assert reader.iteration == 7 and reader.args["vocab_size"] == 100
+    for name, t in full.items():
+        assert torch.equal(reader.full_param(name), t), name
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits_of(ours, ids), logits_of(model, ids), rtol=0, atol=0)
+
+
+def test_load_of_torch_dist_folder_names_the_command(tmp_path):
+    model = direct_model(LLAMAISH)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config)
+    with pytest.raises(CheckpointError, match="from-megatron --load .*mt --save NEW_DIR") as e:
+        files.read_metadata(src, 7)
+    assert "\n" not in str(e.value)
+    from megazero.config.checkpoint_args import latest_args
+    saved, why = latest_args(src)
+    assert saved is None and "from-megatron" in why and "\n" not in why
+
+
+def refused(tmp_path, src, capsys):
+    before = snapshot(src)
+    assert tool().main(["from-megatron", "--load", src, "--save", str(tmp_path / "mz")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert snapshot(src) == before
+    assert not os.path.exists(tmp_path / "mz") or not os.listdir(tmp_path / "mz")
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_missing_shard_is_refused(tmp_path, capsys):
+    model = direct_model(GPT2ISH)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config)
+    os.remove(os.path.join(src, "iter_0000007", "__0_0.distcp"))
+    err = refused(tmp_path, src, capsys)
+    assert "__0_0.distcp is missing" in err
+
+
+def test_unknown_arch_is_refused(tmp_path, capsys):
+    model = direct_model(GPT2ISH)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config,
+                                      qk_layernorm=True)
+    assert "qk_layernorm" in refused(tmp_path, src, capsys)
+
+
+def test_moe_torch_dist_is_refused_by_name(tmp_path, capsys):
+    model = direct_model(LLAMAISH)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config, num_experts=4)
+    err = refused(tmp_path, src, capsys)
+    assert "MoE torch_dist" in err and "common.pt" not in err
+
+
+def test_truncated_shard_is_refused(tmp_path, capsys):
+    model = direct_model(GPT2ISH)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config)
+    path = os.path.join(src, "iter_0000007", "__0_0.distcp")
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+    err = refused(tmp_path, src, capsys)
+    assert "iter_0000007: cannot read" in err
