@@ -7,8 +7,11 @@ import os
 import pytest
 import torch
 
+import megazero
+
 from megazero.checkpoint import files
 from megazero.checkpoint.schema import CheckpointError
+from megazero.model.config import SHAPE_KEYS
 from tests.checkpoint.megatron_dist_format import write_torch_dist_checkpoint
 from tests.checkpoint.test_convert_checkpoint import tool
 from tests.checkpoint.test_megatron_import import GPT2ISH, LLAMAISH, QWEN2ISH, converted_model, direct_model, logits_of
@@ -32,6 +35,18 @@ def test_from_megatron_torch_dist_logits(tmp_path, kw):
         assert torch.equal(reader.full_param(name), t), name
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits_of(ours, ids), logits_of(model, ids), rtol=0, atol=0)
+    with torch.no_grad():  # megazero.load_model: real vocabulary logits
+        torch.testing.assert_close(megazero.load_model(str(tmp_path / "mz"))(ids), logits_of(model, ids),
+                                   rtol=0, atol=0)
+    # --use-checkpoint-args on the import: the model flags are Megatron's saved args
+    from megazero.arguments import parse_args
+    args = parse_args(["--load", str(tmp_path / "mz"), "--use-checkpoint-args", "--micro-batch-size", "1",
+                       "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+                       "--vocab-size", "100"], world_size=1)
+    from megazero.config.model import gpt_config
+    got, want = gpt_config(args).to_args(1), model.config.to_args(1)
+    assert {k: got.get(k) for k in SHAPE_KEYS} == {k: want.get(k) for k in SHAPE_KEYS}
+    assert got["swiglu"] == want["swiglu"] and got["position_embedding_type"] == want["position_embedding_type"]
 
 
 def test_load_of_torch_dist_folder_names_the_command(tmp_path):
