@@ -35,3 +35,18 @@ def test_torch_dist_checkpoint_imports_with_megatrons_logits(tmp_path, style, tp
     with torch.no_grad():
         got = ours(mh.batch(None)[0])[..., :mh.VOCAB + 1]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)])
+def test_moe_torch_dist_checkpoint_imports_with_megatrons_logits(tmp_path, tp, ep):
+    """megatron-core's MoE GPTModel (SequentialMLP, 4 experts, top-2) at TP x EP: the experts are
+    saved stacked ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2f, h]``."""
+    src = str(tmp_path / "mt")
+    results = run_distributed(md.megatron_moe_dist_rank, tp * ep, tp, ep, src, timeout_s=90)
+    ref = results[0][..., :mh.VOCAB + 1]
+    mh.convert(src, str(tmp_path / "mz"))
+    ours = mh.megazero_model(str(tmp_path / "mz")).eval()
+    assert ours.config.moe.num_experts == 4
+    with torch.no_grad():
+        got = ours(mh.batch(None)[0])[..., :mh.VOCAB + 1]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

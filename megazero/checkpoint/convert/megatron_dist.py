@@ -23,8 +23,17 @@ sharded_state_dict`` under Megatron-LM ``core_v0.16.1``'s ``save_checkpoint``, t
   (``apply_swiglu_sharded_factory`` stores the two halves at offsets ``t`` and ``TP + t``); the
   vocabulary rows are padded (cut to the real ones).
 
+* MoE (observed at TP 1/2 x EP 2, ``SequentialMLP``): ``decoder.layers.mlp.router.weight``
+  ``[L, E, h]`` (``router.expert_bias`` ``[L, E]``), the routed experts stacked on the layer and
+  the *global* expert axis, ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2f, h]``
+  (``[gate; up]``) and ``linear_fc2.weight`` ``[L, E, h, f]``, whatever the EP / expert-TP;
+  ``mlp.shared_experts.linear_fc1/linear_fc2.weight`` and ``gate_weight``. A ``moe_layer_freq``
+  list (or > 1) makes the block non-homogeneous: ``decoder.layers.N.*`` without the layer axis.
+  megazero: ``layers.N.mlp.router.*``, ``layers.N.mlp.experts.e.fc1/fc2.weight``,
+  ``layers.N.mlp.shared_expert.fc1/fc2.weight``, ``layers.N.mlp.shared_expert_gate.weight``.
+
 Memory: each stacked tensor read is kept until the conversion ends (about one copy of the
-weights, as the legacy reader). MoE (``mlp.experts.*``, ``mlp.router.*``) is refused by name.
+weights, as the legacy reader).
 """
 from __future__ import annotations
 
@@ -43,7 +52,12 @@ from megazero.checkpoint.schema import CheckpointError, iteration_dir
 
 __all__ = ["MegatronDistCheckpoint", "is_torch_dist", "torch_dist_directory"]
 
-STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+LAYER_KEY = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
+EXPERTS = re.compile(r"^mlp\.experts\.experts\.linear_(fc[12])\.weight$")
+MOE_PARTS = {"mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.expert_bias",
+             "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.fc1.weight",
+             "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.fc2.weight",
+             "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight"}
 SKIPPED = re.compile(r"(_extra_state(/.*)?$|^optimizer\.|^rng_state|^rerun_state_machine)")
 
 
@@ -96,10 +110,6 @@ class MegatronDistCheckpoint:
             raise CheckpointError(f"{root}: no torch_dist checkpoint (no iter_*/.metadata)")
         self.directory, self.iteration = found
         self.args = _common_args(self.directory)
-        if self.args.get("num_experts"):
-            raise CheckpointError(f"{self.directory}: an MoE torch_dist checkpoint (num_experts "
-                                  f"{self.args['num_experts']}): not read yet; convert it to --ckpt-format torch "
-                                  "with Megatron-LM and use from-megatron on that")
         self.config = config_from_megatron_args(self.args, vocab_size, "mcore")
         self.reader = dcp.FileSystemReader(self.directory)
         try:
@@ -113,29 +123,42 @@ class MegatronDistCheckpoint:
                                 if kind in TOKENIZER_TYPES else {})
 
     def _map(self) -> dict:
-        """{megazero name: (DCP key, layer index into the stacked axis or None)}."""
+        """{megazero name: (DCP key, index into the saved tensor: (layer,), (layer, expert), (expert,) or ())}."""
         out = {}
-        layers = self.config.num_layers
         for key, item in self.meta.items():
             if SKIPPED.search(key):
                 continue
-            if ".mlp.experts." in key or ".mlp.router." in key or ".mlp.shared_experts." in key:
-                raise CheckpointError(f"{self.directory}: {key}: MoE weights in a checkpoint whose args have no "
-                                      "num_experts")
-            stacked = STACKED.match(key)
-            if stacked:
-                if item.size[0] != layers:
-                    raise CheckpointError(f"{self.directory}: {key} stacks {item.size[0]} layers, args say {layers}")
-                for i in range(layers):
-                    name, _ = megazero_name(f"decoder.layers.{i}.{stacked.group(1)}")
-                    out[name] = (key, i)
+            m = LAYER_KEY.match(key)
+            if m is None:
+                hit = megazero_name(key)
+                if hit is not None:
+                    out[hit[0]] = (key, ())
                 continue
-            hit = megazero_name(key)
-            if hit is not None:
-                out[hit[0]] = (key, None)
+            if m.group(1) is None and item.size[0] != self.config.num_layers:
+                raise CheckpointError(f"{self.directory}: {key} stacks {item.size[0]} layers, args say "
+                                      f"{self.config.num_layers}")
+            layers = [(int(m.group(1)), ())] if m.group(1) else [(i, (i,)) for i in range(self.config.num_layers)]
+            for layer, index in layers:
+                out.update(self._layer_names(key, m.group(2), layer, index, item))
         if self.config.tied_embeddings:
             out.pop("output_layer.weight", None)
         return out
+
+    def _layer_names(self, key: str, rest: str, layer: int, index: tuple, item) -> dict:
+        """The megazero names of one layer's part of ``key`` (``rest`` after ``decoder.layers.[N.]``):
+        routed experts carry an expert axis after the layer's (``[L, E, ...]`` or ``[E, ...]``)."""
+        moe_part = EXPERTS.match(rest) or rest in MOE_PARTS
+        if moe_part and self.config.moe is None:
+            raise CheckpointError(f"{self.directory}: {key}: an MoE weight in a checkpoint whose args have no "
+                                  "num_experts")
+        m = EXPERTS.match(rest)
+        if m:
+            experts = item.size[len(index)]
+            return {f"layers.{layer}.mlp.experts.{e}.{m.group(1)}.weight": (key, (*index, e)) for e in range(experts)}
+        if rest in MOE_PARTS:
+            return {f"layers.{layer}.{MOE_PARTS[rest]}": (key, index)}
+        hit = megazero_name(f"decoder.layers.{layer}.{rest}")
+        return {} if hit is None else {hit[0]: (key, index)}
 
     def _load(self, key: str) -> torch.Tensor:
         if key not in self.loaded:
@@ -168,8 +191,8 @@ class MegatronDistCheckpoint:
     def full_tensor(self, name: str) -> torch.Tensor:
         if name not in self.sources:
             raise CheckpointError(f"{self.directory}: no {name} in the checkpoint")
-        key, layer = self.sources[name]
-        full = self._load(key) if layer is None else self._load(key)[layer]
+        key, index = self.sources[name]
+        full = self._load(key)[index] if index else self._load(key)
         c = self.config
         suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
         if suffix.startswith("attention.qkv."):
