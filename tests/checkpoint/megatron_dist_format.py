@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,39 +41,71 @@ def megatron_layout(name: str, full: torch.Tensor, config, padded: int) -> torch
     return full
 
 
-def dist_key(name: str) -> tuple[str, int | None]:
-    """(Megatron key, layer) of a megazero name; layers' keys are the stacked ones."""
+MOE_KEYS = {"mlp.router.weight": "mlp.router.weight", "mlp.router.expert_bias": "mlp.router.expert_bias",
+            "mlp.shared_expert.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+            "mlp.shared_expert.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+            "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight"}
+
+
+def dist_key(name: str) -> tuple[str, int | None, int | None]:
+    """(Megatron key after ``decoder.layers.[N.]``, layer, routed expert) of a megazero name;
+    (the whole key, None, None) outside the layers."""
     if name in GLOBAL_KEYS:
-        return GLOBAL_KEYS[name], None
+        return GLOBAL_KEYS[name], None, None
     if name.startswith("final_norm."):
-        return "decoder.final_layernorm." + name.split(".", 1)[1], None
+        return "decoder.final_layernorm." + name.split(".", 1)[1], None, None
     _, layer, rest = name.split(".", 2)
+    expert = re.match(r"^mlp\.experts\.(\d+)\.(fc[12])\.weight$", rest)
+    if expert:
+        return f"mlp.experts.experts.linear_{expert.group(2)}.weight", int(layer), int(expert.group(1))
+    if rest in MOE_KEYS:
+        return MOE_KEYS[rest], int(layer), None
     module, kind = rest.rsplit(".", 1)
     key = LAYER_KEYS[module]
     if key.endswith(".layer_norm"):
         key, kind = key[:-len(".layer_norm")], "layer_norm_" + kind
-    return f"decoder.layers.{key}.{kind}", int(layer)
+    return f"{key}.{kind}", int(layer), None
 
 
-def write_torch_dist_checkpoint(root: str, full: dict, config, iteration: int = 7, tp: int = 2, **extra) -> str:
-    """``root`` holding the torch_dist checkpoint of megazero full tensors ``full`` (args say TP ``tp``)."""
+def _stack(pieces: dict) -> torch.Tensor:
+    """One tensor of ``{index tuple: tensor}`` (a leading axis per index position; () alone: itself)."""
+    if () in pieces:
+        return pieces[()]
+    heads = sorted({i[0] for i in pieces})
+    return torch.stack([_stack({i[1:]: t for i, t in pieces.items() if i[0] == h}) for h in heads])
+
+
+def write_torch_dist_checkpoint(root: str, full: dict, config, iteration: int = 7, tp: int = 2,
+                                optimizer: bool = False, **extra) -> str:
+    """``root`` holding the torch_dist checkpoint of megazero full tensors ``full`` (args say TP
+    ``tp``); ``optimizer``: with Adam moments under ``optimizer.state.*`` (the non-distributed
+    optimizer's ShardedTensors), a distributed optimizer's ``optimizer.distributed.*`` bytes
+    and the ``rng_state`` objects, as a run without ``--no-save-optim`` writes them."""
     c = config
     multiple = c.make_vocab_size_divisible_by * tp
     padded = -(-c.vocab_size // multiple) * multiple
-    stacked: dict[str, list] = {}
+    homogeneous = c.moe is None or all(c.moe.layer_pattern)  # else decoder.layers.N.* keys
+    parts: dict[str, dict] = {}
     state = {}
     for name, tensor in full.items():
         if name == "output_layer.weight" and c.tied_embeddings:
             continue
-        key, layer = dist_key(name)
+        key, layer, expert = dist_key(name)
         value = megatron_layout(name, tensor, c, padded)
         if layer is None:
             state[key] = value
-        else:
-            stacked.setdefault(key, [None] * c.num_layers)[layer] = value
-    state.update({k: torch.stack(v) for k, v in stacked.items()})
-    for module in ("self_attention.linear_qkv", "mlp.linear_fc2"):
-        state[f"decoder.layers.{module}._extra_state/shard_0_{c.num_layers}"] = io.BytesIO(b"")
+            continue
+        key = f"decoder.layers.{key}" if homogeneous else f"decoder.layers.{layer}.{key}"
+        index = (layer,) * homogeneous + (() if expert is None else (expert,))
+        parts.setdefault(key, {})[index] = value
+    for key, pieces in parts.items():
+        state[key] = _stack(pieces)
+    state[f"decoder.layers.mlp.linear_fc2._extra_state/shard_0_{c.num_layers}"] = io.BytesIO(b"")
+    if optimizer:
+        state.update({f"optimizer.state.{kind}.{k}": torch.randn(v.shape) for k, v in list(state.items())
+                      if isinstance(v, torch.Tensor) for kind in ("exp_avg", "exp_avg_sq")})
+        state["optimizer.distributed.dp_group_idx_0.gbuf_idx_0/shard_0_1"] = io.BytesIO(b"param state")
+        state["rng_state/shard_0.0_1.1"] = io.BytesIO(b"rng")
     folder = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(folder)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)

@@ -21,11 +21,11 @@ def snapshot(root):
     return sorted((d, f, os.path.getmtime(os.path.join(d, f))) for d, _, fs in os.walk(root) for f in fs)
 
 
-@pytest.mark.parametrize("kw", [GPT2ISH, LLAMAISH, QWEN2ISH])
-def test_from_megatron_torch_dist_logits(tmp_path, kw):
+@pytest.mark.parametrize("kw,optimizer", [(GPT2ISH, False), (LLAMAISH, True), (QWEN2ISH, False)])
+def test_from_megatron_torch_dist_logits(tmp_path, kw, optimizer):
     model = direct_model(kw)
     full = model.full_state_dict()
-    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), full, model.config, iteration=7)
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), full, model.config, iteration=7, optimizer=optimizer)
     before = snapshot(src)
     assert tool().main(["from-megatron", "--load", src, "--save", str(tmp_path / "mz")]) == 0
     assert snapshot(src) == before  # nothing written into the source folder
@@ -85,12 +85,6 @@ def test_unknown_arch_is_refused(tmp_path, capsys):
     assert "qk_layernorm" in refused(tmp_path, src, capsys)
 
 
-def test_moe_torch_dist_is_refused_by_name(tmp_path, capsys):
-    model = direct_model(LLAMAISH)
-    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config, num_experts=4)
-    err = refused(tmp_path, src, capsys)
-    assert "MoE torch_dist" in err and "common.pt" not in err
-
 
 def test_truncated_shard_is_refused(tmp_path, capsys):
     model = direct_model(GPT2ISH)
@@ -100,3 +94,29 @@ def test_truncated_shard_is_refused(tmp_path, capsys):
         fh.truncate(os.path.getsize(path) // 2)
     err = refused(tmp_path, src, capsys)
     assert "iter_0000007: cannot read" in err
+
+
+@pytest.mark.parametrize("freq", ["[1,0,1,1]", "1"])
+def test_from_megatron_torch_dist_moe(tmp_path, freq):
+    """Routed experts ``[L, E, ...]`` (every layer MoE) or per layer ``decoder.layers.N.*`` (a
+    dense layer among them), router with expert bias, gated shared expert."""
+    from tests.checkpoint.test_megatron_moe_import import OVERRIDES, import_model
+    from tests.moe.helpers import moe_config
+    from megazero.model import GPTModel
+    torch.manual_seed(3)
+    model = GPTModel(moe_config(**dict(OVERRIDES, moe_layer_freq=freq)), None).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    full = dict(model.full_state_dict())
+    full.update({n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    src = write_torch_dist_checkpoint(str(tmp_path / "mt"), full, model.config)
+    assert tool().main(["from-megatron", "--load", src, "--save", str(tmp_path / "mz")]) == 0
+    ours, reader = import_model(str(tmp_path / "mz"))
+    for name, t in full.items():
+        assert torch.equal(reader.full_param(name), t), name
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits_of(ours, ids), logits_of(model, ids), rtol=0, atol=0)
