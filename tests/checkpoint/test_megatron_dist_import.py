@@ -82,7 +82,8 @@ def test_unknown_arch_is_refused(tmp_path, capsys):
     model = direct_model(GPT2ISH)
     src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config,
                                       qk_layernorm=True)
-    assert "qk_layernorm" in refused(tmp_path, src, capsys)
+    err = refused(tmp_path, src, capsys)
+    assert "iter_0000007/common.pt: unsupported Megatron-LM model options: qk_layernorm" in err
 
 
 
@@ -120,3 +121,23 @@ def test_from_megatron_torch_dist_moe(tmp_path, freq):
         assert torch.equal(reader.full_param(name), t), name
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits_of(ours, ids), logits_of(model, ids), rtol=0, atol=0)
+
+
+def test_unknown_key_is_refused_by_name(tmp_path, capsys):
+    """A weight megazero has no place for (here a QK-norm's) is named with the folder."""
+    import torch.distributed.checkpoint as dcp
+    model = direct_model(LLAMAISH)
+    src2 = str(tmp_path / "mt2")
+    write_torch_dist_checkpoint(src2, model.full_state_dict(), model.config)
+    folder = os.path.join(src2, "iter_0000007")
+    meta = dcp.FileSystemReader(folder).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    state["decoder.layers.self_attention.q_layernorm.weight"] = torch.ones(4, 8)
+    for name in os.listdir(folder):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(os.path.join(folder, name))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    err = refused(tmp_path, src2, capsys)
+    assert "iter_0000007: unknown Megatron-LM parameter 'decoder.layers.0.self_attention.q_layernorm.weight'" in err

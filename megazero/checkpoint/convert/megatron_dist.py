@@ -110,13 +110,20 @@ class MegatronDistCheckpoint:
             raise CheckpointError(f"{root}: no torch_dist checkpoint (no iter_*/.metadata)")
         self.directory, self.iteration = found
         self.args = _common_args(self.directory)
-        self.config = config_from_megatron_args(self.args, vocab_size, "mcore")
+        try:
+            self.config = config_from_megatron_args(self.args, vocab_size, "mcore")
+        except CheckpointError as e:  # name the file whose args say it
+            raise CheckpointError(f"{os.path.join(self.directory, 'common.pt')}: {e}") from None
         self.reader = dcp.FileSystemReader(self.directory)
         try:
             self.meta = self.reader.read_metadata().state_dict_metadata
         except Exception as e:  # a truncated .metadata: any unpickling error
             raise CheckpointError(f"{self.directory}/.metadata: cannot be read ({type(e).__name__}: {e})") from e
-        self.sources = self._map()
+        try:
+            self.sources = self._map()
+        except CheckpointError as e:
+            text = str(e)
+            raise CheckpointError(text if text.startswith(self.directory) else f"{self.directory}: {text}") from None
         self.loaded: dict[str, torch.Tensor] = {}
         kind = self.args.get("tokenizer_type")
         self.tokenizer_flags = ({k: self.args[k] for k in TOKENIZER_FLAGS if self.args.get(k) is not None}
