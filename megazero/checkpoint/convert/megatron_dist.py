@@ -32,8 +32,9 @@ sharded_state_dict`` under Megatron-LM ``core_v0.16.1``'s ``save_checkpoint``, t
   megazero: ``layers.N.mlp.router.*``, ``layers.N.mlp.experts.e.fc1/fc2.weight``,
   ``layers.N.mlp.shared_expert.fc1/fc2.weight``, ``layers.N.mlp.shared_expert_gate.weight``.
 
-Memory: each stacked tensor read is kept until the conversion ends (about one copy of the
-weights, as the legacy reader).
+Memory: one parameter. Each is read as its slice of the stored tensor (one layer, one expert:
+:class:`SlicePlanner`, DCP's own read-item planning for a rectangular piece), so only the saved
+chunks overlapping it are read (megatron-core stores each layer's pieces as their own chunks).
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megazero.checkpoint.convert.megatron import (TRACKER, config_from_megatron_args, load_megatron_file,
                                                   megazero_name)
@@ -98,6 +103,26 @@ def _common_args(directory: str) -> dict:
     return dict(vars(args))
 
 
+class SlicePlanner(DefaultLoadPlanner):
+    """DCP's default load planner for one rectangular piece of each requested tensor: the state
+    dict holds a buffer of the piece's shape per key, ``offsets[key]`` its place in the saved
+    tensor; read items come from DCP's ``create_read_items_for_chunk_list`` for that piece."""
+
+    def __init__(self, offsets: dict):
+        super().__init__()
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, buf in self.state_dict.items():
+            piece = ChunkStorageMetadata(offsets=torch.Size(self.offsets[fqn]), sizes=buf.size())
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [piece])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]  # a plain buffer: the item's offsets are relative to the piece
+
+
 class MegatronDistCheckpoint:
     """Full megazero tensors of a torch_dist checkpoint (see the module doc); the same interface
     as :class:`megazero.checkpoint.convert.megatron.MegatronCheckpoint`: ``config``,
@@ -124,7 +149,6 @@ class MegatronDistCheckpoint:
         except CheckpointError as e:
             text = str(e)
             raise CheckpointError(text if text.startswith(self.directory) else f"{self.directory}: {text}") from None
-        self.loaded: dict[str, torch.Tensor] = {}
         kind = self.args.get("tokenizer_type")
         self.tokenizer_flags = ({k: self.args[k] for k in TOKENIZER_FLAGS if self.args.get(k) is not None}
                                 if kind in TOKENIZER_TYPES else {})
@@ -167,25 +191,26 @@ class MegatronDistCheckpoint:
         hit = megazero_name(f"decoder.layers.{layer}.{rest}")
         return {} if hit is None else {hit[0]: (key, index)}
 
-    def _load(self, key: str) -> torch.Tensor:
-        if key not in self.loaded:
-            item = self.meta[key]
-            covered = sum(torch.Size(c.sizes).numel() for c in item.chunks)
-            if covered != item.size.numel():
-                raise CheckpointError(f"{self.directory}: {key}: the saved pieces cover {covered} of "
-                                      f"{item.size.numel()} elements")
-            self._check_files(key)
-            target = {key: torch.empty(item.size, dtype=item.properties.dtype)}
-            try:
-                with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant so
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(target, storage_reader=self.reader, no_dist=True)
-            except (Exception, CheckpointException) as e:  # a short .distcp file: DCP's wrapped errors
-                inner = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
-                cause = f"{type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}"
-                raise CheckpointError(f"{self.directory}: cannot read {key} ({cause})") from e
-            self.loaded[key] = target[key]
-        return self.loaded[key]
+    def _load(self, key: str, index: tuple) -> torch.Tensor:
+        """The saved tensor ``key`` at leading ``index`` (a layer, a layer and an expert, or ())."""
+        item = self.meta[key]
+        covered = sum(torch.Size(c.sizes).numel() for c in item.chunks)
+        if covered != item.size.numel():
+            raise CheckpointError(f"{self.directory}: {key}: the saved pieces cover {covered} of "
+                                  f"{item.size.numel()} elements")
+        self._check_files(key)
+        shape = (1,) * len(index) + tuple(item.size[len(index):])
+        target = {key: torch.empty(shape, dtype=item.properties.dtype)}
+        offsets = {key: (*index, *(0,) * (len(shape) - len(index)))}
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant so
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(target, storage_reader=self.reader, planner=SlicePlanner(offsets), no_dist=True)
+        except (Exception, CheckpointException) as e:  # a short .distcp file: DCP's wrapped errors
+            inner = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
+            cause = f"{type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}"
+            raise CheckpointError(f"{self.directory}: cannot read {key} ({cause})") from e
+        return target[key].reshape(item.size[len(index):])
 
     def _check_files(self, key: str) -> None:
         """Every ``.distcp`` file holding a piece of ``key`` is there (DCP's ``storage_data``)."""
@@ -199,7 +224,7 @@ class MegatronDistCheckpoint:
         if name not in self.sources:
             raise CheckpointError(f"{self.directory}: no {name} in the checkpoint")
         key, index = self.sources[name]
-        full = self._load(key)[index] if index else self._load(key)
+        full = self._load(key, index)
         c = self.config
         suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
         if suffix.startswith("attention.qkv."):
@@ -212,7 +237,7 @@ class MegatronDistCheckpoint:
         return full
 
     def close(self) -> None:
-        self.loaded = {}
+        pass
 
     def __enter__(self):
         return self
