@@ -32,7 +32,9 @@ so ``generate.py --load DIR`` and ``pretrain_gpt.py --load DIR`` need no tokeniz
 
 ``from-megatron``: the same from a Megatron-LM legacy checkpoint (``torch`` format:
 ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` or ``release/``), any TP x PP (x VP),
-legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.convert.megatron`.
+legacy ``language_model.*`` or mcore ``decoder.*`` names; see :mod:`megazero.checkpoint.convert.megatron`;
+or from a ``torch_dist`` one (``iter_NNNNNNN/.metadata``, read with ``torch.distributed.checkpoint``:
+:mod:`megazero.checkpoint.convert.megatron_dist`).
 
 Memory: the reader streams one full parameter at a time out of memory-mapped rank files.
 ``to-hf`` writes ``model.safetensors`` incrementally (header from the shapes first, then one
@@ -233,9 +235,12 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
 
 def from_megatron(load: str, save: str, iteration: int | None = None, vocab_size: int | None = None,
                   dtype: str = "float32"):
-    """Write a megazero checkpoint of a Megatron-LM legacy checkpoint; returns (config, tokenizer flags)."""
+    """Write a megazero checkpoint of a Megatron-LM legacy or torch_dist checkpoint (the latter told
+    by its DCP ``.metadata`` file); returns (config, tokenizer flags, iteration)."""
     from megazero.checkpoint.convert.megatron import MegatronCheckpoint
-    with MegatronCheckpoint(load, iteration, vocab_size=vocab_size) as ckpt:
+    from megazero.checkpoint.convert.megatron_dist import MegatronDistCheckpoint, is_torch_dist
+    kind = MegatronDistCheckpoint if is_torch_dist(load, iteration) else MegatronCheckpoint
+    with kind(load, iteration, vocab_size=vocab_size) as ckpt:
         out_iteration = ckpt.iteration
         write_imported(save, ckpt.config, ckpt.full_tensor, out_iteration, dtype, ckpt.tokenizer_flags,
                        os.path.abspath(ckpt.directory))

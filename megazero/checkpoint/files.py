@@ -200,11 +200,22 @@ def read_metadata(root: str, iteration: int) -> dict:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt: {e}") from None
+    if isinstance(meta, dict) and "sharded_backend" in meta:  # Megatron-LM's dist-checkpointing record
+        raise CheckpointError(megatron_dist_refusal(path, root, meta["sharded_backend"]))
     problems = metadata_problems(meta, iteration)
     if problems:
         raise CheckpointError(f"{path}: {'; '.join(problems)} (hand-edited or from another folder? restore the "
                               "metadata.json saved with it)")
     return meta
+
+
+def megatron_dist_refusal(path: str, root: str, backend) -> str:
+    """The one line refusing a Megatron-LM ``torch_dist`` folder given to ``--load``: it is
+    converted once, explicitly, into a new folder (nothing is written into the source), and the
+    result loads in any layout."""
+    return (f"{path}: a Megatron-LM {backend} checkpoint, not megazero's; convert it once with "
+            f"`python tools/convert_checkpoint.py from-megatron --load {root} --save NEW_DIR`, then --load NEW_DIR "
+            "(--use-checkpoint-args reads its model flags)")
 
 
 def metadata_problems(meta, iteration: int) -> list[str]:

@@ -29,9 +29,14 @@ def latest_args(load: str) -> tuple[dict | None, str | None]:
         iteration = int(open(pointer).read().strip())
         path = os.path.join(load, METADATA.format(iteration))
         with open(path) as f:
-            saved = json.load(f).get("args")
+            record = json.load(f)
+        saved = record.get("args")
     except (OSError, ValueError, AttributeError) as e:
         return None, f"--use-checkpoint-args: cannot read the saved arguments under --load {load} ({e})"
+    if "sharded_backend" in record:  # Megatron-LM's torch_dist record (its args are in common.pt)
+        return None, (f"--use-checkpoint-args: {path} is a Megatron-LM {record['sharded_backend']} checkpoint; "
+                      f"convert it once with `python tools/convert_checkpoint.py from-megatron --load {load} "
+                      "--save NEW_DIR`, then --load NEW_DIR --use-checkpoint-args")
     if not isinstance(saved, dict) or not saved:
         return None, f"--use-checkpoint-args: the checkpoint under --load {load} recorded no arguments"
     return saved, None

@@ -126,8 +126,8 @@ def find_rank_files(root: str, iteration: int | None = None) -> tuple[str, int, 
             raw[tuple(None if g is None else int(g) for g in m.groups())] = \
                 os.path.join(directory, name, "model_optim_rng.pt")
     if not raw:
-        raise CheckpointError(f"{directory}: no mp_rank_*/model_optim_rng.pt (a torch_dist checkpoint? "
-                              "convert it to --ckpt-format torch with Megatron-LM first)")
+        raise CheckpointError(f"{directory}: no mp_rank_*/model_optim_rng.pt and no .metadata (neither a legacy "
+                              "nor a torch_dist Megatron-LM checkpoint)")
     return directory, iteration or 0, moe.rank_files(raw, directory, lambda path: load_megatron_file(path).get("args"))
 
 
