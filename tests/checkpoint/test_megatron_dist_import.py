@@ -101,19 +101,8 @@ def test_truncated_shard_is_refused(tmp_path, capsys):
 def test_from_megatron_torch_dist_moe(tmp_path, freq):
     """Routed experts ``[L, E, ...]`` (every layer MoE) or per layer ``decoder.layers.N.*`` (a
     dense layer among them), router with expert bias, gated shared expert."""
-    from tests.checkpoint.test_megatron_moe_import import OVERRIDES, import_model
-    from tests.moe.helpers import moe_config
-    from megazero.model import GPTModel
-    torch.manual_seed(3)
-    model = GPTModel(moe_config(**dict(OVERRIDES, moe_layer_freq=freq)), None).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    full = dict(model.full_state_dict())
-    full.update({n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    from tests.checkpoint.test_megatron_moe_import import import_model, moe_model
+    model, full = moe_model(moe_layer_freq=freq)
     src = write_torch_dist_checkpoint(str(tmp_path / "mt"), full, model.config)
     assert tool().main(["from-megatron", "--load", src, "--save", str(tmp_path / "mz")]) == 0
     ours, reader = import_model(str(tmp_path / "mz"))

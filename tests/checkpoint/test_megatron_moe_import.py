@@ -22,9 +22,9 @@ from tests.checkpoint.test_moe_checkpoint import BIAS, OVERRIDES, Run, _topo
 from tests.moe.helpers import VOCAB, moe_config
 
 
-def moe_model(seed=3):
+def moe_model(seed=3, **overrides):
     torch.manual_seed(seed)
-    model = GPTModel(moe_config(**OVERRIDES), None).eval()
+    model = GPTModel(moe_config(**dict(OVERRIDES, **overrides)), None).eval()
     with torch.no_grad():  # every tensor random, the expert bias too, so a wrong mapping shows
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
