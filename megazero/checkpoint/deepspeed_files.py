@@ -45,6 +45,7 @@ import os
 import torch
 
 from megazero.checkpoint import engine as engine_files
+from megazero.checkpoint.files import read_file
 from megazero.checkpoint.schema import CheckpointError
 
 WHO = "engine.load_checkpoint"
@@ -96,16 +97,9 @@ def _optim_file(folder: str, r: int) -> str:
 
 def load_file(path: str) -> dict:
     """One DeepSpeed file, ``weights_only=True`` with only :data:`SAFE`'s DeepSpeed names allowed,
-    opened with ``mmap`` (a rank copies only the overlap with its shard); a missing or unreadable
-    one raises :class:`CheckpointError` naming it, in one line."""
-    try:
-        with torch.serialization.safe_globals(SAFE):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{WHO}: {path} is missing") from None
-    except Exception as e:  # truncated zip, bad pickle, a class not allowed
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{WHO}: {path} cannot be read ({type(e).__name__}: {cause})") from None
+    opened with ``mmap`` (a rank copies only the overlap with its shard): :func:`megazero.checkpoint.
+    files.read_file`."""
+    return read_file(path, mmap=True, who=WHO, allowed=SAFE)
 
 
 def folder_of(load_dir: str, tag) -> str | None:

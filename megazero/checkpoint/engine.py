@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import reshard
-from megazero.checkpoint.files import agree_on_writes, atomic_write_text, replace_folder, write_file
-from megazero.checkpoint.schema import CheckpointError
+from megazero.checkpoint.files import agree_on_writes, atomic_write_text, read_file, replace_folder, write_file
 
 FORMAT_NAME = "megazero-engine"
 VERSION = 1
@@ -138,14 +137,8 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, dict]:
 
 
 def _load(path: str, mmap: bool = False):
-    """One file of an engine checkpoint, ``weights_only``; a missing or unreadable one raises
-    :class:`CheckpointError` naming it."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"engine.load_checkpoint: {path} is missing") from None
-    except Exception as e:  # truncated zip, bad pickle, disallowed global
-        raise CheckpointError(f"engine.load_checkpoint: {path} cannot be read ({type(e).__name__}: {e})") from None
+    """One file of an engine checkpoint (:func:`megazero.checkpoint.files.read_file`)."""
+    return read_file(path, mmap=mmap, who="engine.load_checkpoint")
 
 
 class ShardPieces:

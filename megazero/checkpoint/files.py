@@ -257,13 +257,22 @@ def check_layout(saved: dict, current: dict, path: str) -> None:
                               + " (loading into another layout is not supported yet)")
 
 
-def load_rank_state(root: str, iteration: int, rank: int, mmap: bool = False) -> dict:
-    """Rank ``rank``'s file via ``torch.load(weights_only=True)``; ``mmap``: tensors are mapped,
-    and only the bytes of those touched are read."""
-    path = rank_file(iteration_dir(root, iteration), rank)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing")
+def read_file(path: str, mmap: bool = False, who: str = "", allowed=()):
+    """One checkpoint file via ``torch.load(weights_only=True)`` (``allowed``: the only extra
+    globals a foreign format's pickles may name); ``mmap``: tensors are mapped, and only the bytes
+    of those touched are read. A missing or unreadable file (truncated zip, bad pickle, a global
+    not allowed) raises :class:`CheckpointError` naming it, in one line (``who`` first)."""
+    prefix = f"{who}: " if who else ""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # truncated zip, bad pickle, disallowed global
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{prefix}{path} is missing") from None
+    except Exception as e:  # noqa: BLE001 - whatever torch raises, one line naming the file
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{prefix}{path} cannot be read ({type(e).__name__}: {cause})") from None
+
+
+def load_rank_state(root: str, iteration: int, rank: int, mmap: bool = False) -> dict:
+    """Rank ``rank``'s file (:func:`read_file`)."""
+    return read_file(rank_file(iteration_dir(root, iteration), rank), mmap=mmap)

@@ -3,9 +3,7 @@
 Adam moments), that loads back at another layout with the uninterrupted run's losses, and that
 survives a round trip through PyTorch's own tools; a missing shard is one line naming the file."""
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,18 +15,9 @@ from megazero.checkpoint.convert.hf import arch_of_config, full_to_hf
 from megazero.checkpoint.dcp import check_dcp_files
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.model import GPTConfig
+from tests.checkpoint.test_convert_checkpoint import LLAMA, tool
 from tests.checkpoint.test_reshard import BASE, layout_flags, run, train_reference
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"]
-
-
-def to_fp32():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.to_fp32
 
 
 def expected_state(tmp_path, src) -> dict:
@@ -36,7 +25,7 @@ def expected_state(tmp_path, src) -> dict:
     reader = CheckpointReader(str(src), 3)
     config = GPTConfig.from_saved_args(reader.args)
     arch = arch_of_config(config)
-    export = dict(to_fp32()(str(src), str(tmp_path / "fp32.pt"), 3))
+    export = dict(tool().to_fp32(str(src), str(tmp_path / "fp32.pt"), 3))
     out = full_to_hf(export, config, arch)
     if config.tied_embeddings:
         out.pop("lm_head.weight")
