@@ -33,7 +33,8 @@ TP-summed), the up projections all-gather the *latents* (``r_q`` and ``r_kv`` wi
 along the sequence, and ``k_r`` is all-gathered (backward: reduce-scatter). Megatron does the same.
 
 **Context parallelism**: the ring / all-to-all attention of :mod:`megazero.context_parallel` with
-``q`` pre-multiplied by ``scale sqrt(d_q)`` (they scale by ``1/sqrt(d_q)``), ``d_v != d_q`` allowed.
+``q`` pre-multiplied by ``scale sqrt(d)`` (they scale by ``1/sqrt(d)``); the ring's fused kernels
+take one head size, so the narrower of ``q, k`` and ``v`` is zero-padded (exact).
 
 **Generation** caches the latent, not K/V: per layer and token ``c_kv`` (after its norm) and the
 rotated ``k_r`` -- ``r_kv + d_r`` numbers instead of ``H (d_q + d_v)`` -- and re-expands them with
@@ -199,10 +200,21 @@ class MultiLatentAttention(nn.Module):
         probs = torch.softmax(scores.float().masked_fill(masked, float("-inf")), dim=-1).to(q.dtype)
         return torch.matmul(dropout(probs, p_drop, True, self.tracker, TENSOR_PARALLEL), v)
 
-    def prescaled(self, q):
-        """``q scale sqrt(d_q)``: attention kernels that scale by ``1/sqrt(d_q)`` then use ``scale``."""
-        factor = self.scale * math.sqrt(self.d_q)
+    def prescaled(self, q, d=None):
+        """``q scale sqrt(d)`` (``d``: ``d_q``): kernels that scale by ``1/sqrt(d)`` then use ``scale``."""
+        factor = self.scale * math.sqrt(d or self.d_q)
         return q if factor == 1.0 else q * factor
+
+    def context_parallel_attention(self, q, k, v):
+        """Over the CP group: Ulysses' all-to-all (SDPA after it), or the ring, whose fused block
+        kernels want one head size: the narrower of ``q, k`` / ``v`` is zero-padded to ``d =
+        max(d_q, d_v)`` (zero columns add nothing to ``q k^T``; ``v``'s give zero output columns,
+        cut off) and the scale taken at ``d``."""
+        if self.config.cp_comm_type == "a2a":
+            return ulysses_attention(self.prescaled(q), k, v, self.cp_group, self.cp, enable_gqa=False)
+        d = max(self.d_q, self.d_v)
+        q, k, v = (F.pad(t, (0, d - t.shape[-1])) for t in (self.prescaled(q, d), k, v))
+        return ring_attention(q, k, v, self.cp_group, self.cp_ranks)[..., :self.d_v]
 
     def forward(self, x, rope=None, inference_cache=None, attention_mask=None):
         q, c_kv, k_r = self.latents(x, rope)
@@ -218,10 +230,7 @@ class MultiLatentAttention(nn.Module):
             if self.cp > 1:
                 if attention_mask is not None:
                     raise ValueError("--reset-attention-mask is not supported with context parallelism")
-                if self.config.cp_comm_type == "a2a":
-                    ctx = ulysses_attention(self.prescaled(q), k, v, self.cp_group, self.cp, enable_gqa=False)
-                else:
-                    ctx = ring_attention(self.prescaled(q), k, v, self.cp_group, self.cp_ranks)
+                ctx = self.context_parallel_attention(q, k, v)
             elif self.config.recompute_granularity == "selective" and self.training:
                 ctx = checkpoint(self.core_attention, self.tracker, q, k, v, attention_mask)
             else:
