@@ -139,3 +139,14 @@ def test_bad_settings_one_line(change, message):
 def test_heads_that_do_not_split_over_tp():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by TP 8"):
         GPTConfig(**MLA).check_tp(8)
+
+
+def test_meta_build_draws_what_the_eager_build_does():
+    """ZeRO 3's deferred build: every MLA parameter's initializer gives the eager build's value."""
+    from megazero.tensor_parallel.layers import param_initializer
+    for q_lora in (12, None):
+        cfg = GPTConfig(**{**MLA, "q_lora_rank": q_lora, "normalization": "LayerNorm", "apply_layernorm_1p": True})
+        eager, meta = GPTModel(cfg), GPTModel(cfg, meta_init=True)
+        init = param_initializer([meta])
+        for (name, p), (_, m) in zip(eager.named_parameters(), meta.named_parameters()):
+            assert torch.equal(init(m).to(p.dtype), p.detach()), name

@@ -16,7 +16,7 @@ MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank"
 COMMON = TINY + MOCK + MLA_FLAGS + ["--train-iters", "6", "--save-interval", "100"]
 
 
-def test_saved_at_tp2_sp_resumes_resharded_at_pp2_vp2(tmp_path):
+def test_saved_at_tp2_sp_resumes_resharded_at_pp2_vp2(tmp_path, capfd):
     tp2 = layout_flags(2, 1, None, 1) + ["--sequence-parallel"]
     full = train(4, COMMON + tp2 + ["--save", str(tmp_path / "full")])
     first = train(4, COMMON + tp2 + ["--save", str(tmp_path / "ck"), "--exit-interval", "3"])
@@ -27,6 +27,26 @@ def test_saved_at_tp2_sp_resumes_resharded_at_pp2_vp2(tmp_path):
     text = json.dumps(json.loads((tmp_path / "ck" / "iter_0000003" / "metadata.json").read_text()))
     for key in ('"multi_latent_attention": true', '"kv_lora_rank": 10', '"mscale_all_dim": 0.9'):
         assert key in text, text[:2000]
+    generates_from(tmp_path / "ck", capfd)
+
+
+def generates_from(save, capfd):
+    """tools/generate.py loads the PP 2 x VP 2 checkpoint into TP 1 and TP 2 alike, says that the
+    cache holds latents, and its greedy tokens are the in-process ones."""
+    import megazero
+    from megazero.inference.generation import generate
+    from megazero.testing import run_distributed
+    from tests.inference.test_generate import _run_tool
+    gen = ["--load", str(save), "--prompt", "1 2 3", "--prompt", "40 41 42 43 44", "--max-new-tokens", "6",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    capfd.readouterr()
+    one = run_distributed(_run_tool, 1, gen, timeout_s=60)[0]
+    assert "> multi-latent attention: the KV cache holds each layer's compressed latent (kv_lora_rank 10 + " \
+        "RoPE key 4 values per token), not K/V (72)" in capfd.readouterr().out
+    assert run_distributed(_run_tool, 2, gen + ["--tensor-model-parallel-size", "2"], timeout_s=60) == [one, one]
+    model = megazero.load_model(str(save)).gpt
+    want = generate(model, [[1, 2, 3], [40, 41, 42, 43, 44]], 6).tokens
+    assert [[int(t) for t in c.split()] for c in one] == want, (one, want)
 
 
 def test_another_mla_setting_is_refused_naming_the_flag(tmp_path, capsys):

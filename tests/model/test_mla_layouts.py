@@ -19,8 +19,8 @@ def test_mla_tp2_sp_zero1_and_zero2():
     check_layout(4, dict(tp=2), stages=(1, 2), sequence_parallel=True, **MLA)
 
 
-def test_mla_pp2_vp2_zero3_without_query_latent():
-    check_layout(4, dict(pp=2, vp=2), stages=(3,), **{**MLA, "q_lora_rank": None})
+def test_mla_pp2_vp2_zero3_selective_recompute_without_query_latent():
+    check_layout(4, dict(pp=2, vp=2), stages=(3,), recompute_granularity="selective", **{**MLA, "q_lora_rank": None})
 
 
 @pytest.mark.parametrize("comm, v_head_dim", [("p2p", 6), ("a2a", 6), ("p2p", 16)])
