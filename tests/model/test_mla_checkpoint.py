@@ -9,10 +9,19 @@ import numpy as np
 from megazero.arguments import parse_args
 from tests.test_training import MOCK, TINY, layout_flags, train
 
-MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
-             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale", "0.8",
-             "--mscale-all-dim", "0.9", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-             "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+
+def qk_layernorm_flag() -> list[str]:
+    """``--qk-layernorm`` where megazero honours it (Megatron's switch for MLA's latent norms, which
+    megazero's MLA always has and then requires; config/mla_flags.py), else nothing."""
+    from megazero.config.megatron_flags import megatron_flags
+    return ["--qk-layernorm"] if next(f for f in megatron_flags() if f.name == "--qk-layernorm").cls == 1 else []
+
+
+MLA_FLAGS = qk_layernorm_flag() + [
+    "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale", "0.8",
+    "--mscale-all-dim", "0.9", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 COMMON = TINY + MOCK + MLA_FLAGS + ["--train-iters", "6", "--save-interval", "100"]
 
 
@@ -62,3 +71,28 @@ def test_another_mla_setting_is_refused_naming_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--v-head-dim: command line 8, checkpoint 6" in err and "--mscale: command line 0.5, checkpoint 0.8" in err
     assert not (save / "iter_0000002").exists()
+
+
+def test_bad_mla_flags_one_line_each_before_any_work(capsys):
+    import types
+
+    import pytest
+
+    from megazero.config.mla_flags import check_mla
+    one = COMMON[:-2] + ["--lr-decay-iters", "8"]
+    for extra, line in ((["--kv-channels", "8"], "--kv-channels 8 with --multi-latent-attention"),
+                        (["--group-query-attention", "--num-query-groups", "2"], "mutually exclusive"),
+                        (["--tensor-model-parallel-size", "8"], "--num-attention-heads 4 is not divisible by "
+                                                                 "--tensor-model-parallel-size 8"),
+                        (["--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim 5: RoPE rotates pairs")):
+        with pytest.raises(SystemExit):
+            parse_args(one + extra, world_size=8)
+        err = capsys.readouterr().err
+        assert line in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        parse_args(TINY + MOCK + ["--rope-type", "yarn", "--train-iters", "2"], world_size=1)
+    assert "--rope-type yarn without --multi-latent-attention" in capsys.readouterr().err
+    found = []
+    check_mla(found.append, types.SimpleNamespace(**{**vars(parse_args(one, world_size=1)), "qk_layernorm": False}))
+    assert found == ["--multi-latent-attention needs --qk-layernorm: megazero's MLA always normalizes its q/kv "
+                     "latents (DeepSeek-V2/V3); Megatron's MLA has those norms only with --qk-layernorm"]
