@@ -1,8 +1,9 @@
 """A multi-latent-attention GPT trains exactly as one process in every layout (fp32, per-iteration
 losses within 1e-5, final weights within 1e-4 against ``torch.optim.AdamW`` on the whole model):
 TP 2 with SP under ZeRO 1 and 2, PP 2 x VP 2 at ZeRO 3, CP 2 (ring and all-to-all), CP 2 x TP 2
-with SP at ZeRO 3, and bf16 at TP 2 + SP tracking fp32. The harness is tests/context_parallel/test_equivalence.py's (its config with
-MLA's fields; ``num_query_groups=None``: MLA has no GQA)."""
+with SP at ZeRO 3; bf16 at TP 2 + SP tracks fp32. The harness is
+tests/context_parallel/test_equivalence.py's (its config with MLA's fields; ``num_query_groups=None``:
+MLA has no GQA)."""
 
 from __future__ import annotations
 
