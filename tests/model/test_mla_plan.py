@@ -57,3 +57,30 @@ def test_activations_count_mla_head_sizes_and_latents():
     got, ref = (estimate(c, 2, 1, 1, 0, micro_batch_size=2, micro_batches=1, sequence_parallel=True)
                 for c in (cfg, plain))
     assert got.activation_bytes - ref.activation_bytes == pytest.approx(cfg.num_layers * delta)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flops_term_counts_the_layers_matmuls(variant):
+    """Megatron's MLA FLOPs term (the throughput log line) = 3 x the forward's matmul FLOPs counted by
+    torch (SDPA's counted whole, halved for the causal mask as Megatron does), plus its latent-norm
+    ``+ 1`` terms (6 (r_q + r_kv) per token)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megazero.model.mla import MultiLatentAttention
+    from megazero.model.mla_config import mla_attention_flops_per_token
+    from megazero.model.yarn import mla_rope_cos_sin
+    from megazero.tensor_parallel import RNGTracker
+    from megazero.training.logger import model_flops_per_iteration
+    cfg = GPTConfig(**BASE, **variant)
+    layer = MultiLatentAttention(cfg, 0, None, RNGTracker(1, 0), "cpu").eval()
+    b, s = 2, cfg.seq_length
+    rope = mla_rope_cos_sin(torch.arange(s).expand(b, s), cfg, torch.float32)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        layer(torch.randn(s, b, cfg.hidden_size), rope)
+    counts = counter.get_flop_counts()["Global"]
+    sdpa = sum(v for k, v in counts.items() if "bmm" in str(k) or "attention" in str(k))  # SDPA (q k^T, p v)
+    matmuls = sum(v for k, v in counts.items() if not ("bmm" in str(k) or "attention" in str(k)))
+    norms = 6 * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank)
+    assert 3 * (matmuls + sdpa / 2) / (b * s) + norms == mla_attention_flops_per_token(cfg)
+    plain = dict(BASE, multi_latent_attention=False, kv_channels=None, **variant)
+    assert model_flops_per_iteration(cfg, 4) != model_flops_per_iteration(GPTConfig(**plain), 4)
