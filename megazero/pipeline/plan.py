@@ -264,14 +264,14 @@ def build_plan(pp: int, vp: int, m: int, rank: int, forward_only: bool = False,
     before, after = _p2p(pp, vp, placement(schedule))
     incoming = _incoming(pp, vp, m, rank, forward_only, schedule, after)
     taken = {q: 0 for q in incoming}
+    where = {q: {op: i for i, op in enumerate(chan)} for q, chan in incoming.items()}
     plan: list[Action] = []
     pending: list[P2P] = []
     for step in _steps(pp, vp, m, rank, forward_only, schedule):
         recvs = []
         for op in (op for a in step for op in before(rank, *a)):
-            chan = incoming[op.peer]
-            upto = chan.index(op, taken[op.peer]) + 1 if op in chan[taken[op.peer]:] else taken[op.peer]
-            recvs += chan[taken[op.peer]:upto]
+            upto = max(taken[op.peer], where[op.peer][op] + 1)  # already received early: nothing
+            recvs += incoming[op.peer][taken[op.peer]:upto]
             taken[op.peer] = upto
         if recvs or pending:
             plan.append(Action("COMM", ops=tuple(pending + recvs)))
