@@ -70,6 +70,14 @@ def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     return groups
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def chunk_placement(schedule: str | None) -> str:
+    """``"v"`` for the V-shaped pipeline schedules (``zbv``, ``dualpipev``), else ``"loop"``."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
 def stage_of_chunk(pp: int, vp: int, pp_rank: int, chunk: int, placement: str = "loop") -> int:
     """The virtual stage of ``pp_rank``'s chunk ``chunk``.
 

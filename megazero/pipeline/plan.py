@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megazero.parallel.layout import rank_of_stage, stage_of_chunk
+from megazero.parallel.layout import chunk_placement, rank_of_stage, stage_of_chunk
 
 from .simulate import simulate  # noqa: F401  (re-exported: plan.simulate, as before the split)
 from .zero_bubble import dualpipev_order, zb1p_order, zbv_order
@@ -121,7 +121,7 @@ def _check(pp: int, vp: int, m: int, rank: int, schedule: str | None = None) -> 
 
 def placement(schedule: str | None) -> str:
     """``"v"`` for the V-shaped schedules (zbv, dualpipev), else ``"loop"``."""
-    return SCHEDULES[schedule][1] if schedule in SCHEDULES else "loop"
+    return chunk_placement(schedule)
 
 
 def schedule_name(pp: int, vp: int, schedule: str | None = None) -> str:
