@@ -228,20 +228,12 @@ def _p2p(pp: int, vp: int, where: str):
     return before, after
 
 
-def _steps(pp, vp, m, rank, forward_only, schedule):
-    steps = compute_steps(pp, vp, m, rank, schedule)
-    if forward_only:
-        steps = [[a for a in step if a[0] == "F"] for step in steps]
-        steps = [step for step in steps if step]
-    return steps
-
-
-def _incoming(pp, vp, m, rank, forward_only, schedule, after) -> dict[int, list[P2P]]:
+def _incoming(pp, vp, rank, steps_of, where, after) -> dict[int, list[P2P]]:
     """``{sender rank: the receives of ``rank`` from it, in the sender's send order}`` -- the
     order a channel delivers in (a receive posted out of that order would get the wrong data)."""
-    where, out = placement(schedule), {}
+    out: dict[int, list[P2P]] = {}
     for q in range(pp):
-        for step in _steps(pp, vp, m, q, forward_only, schedule):
+        for step in steps_of(q):
             for a in step:
                 for op in after(q, *a):
                     if op.peer == rank:
@@ -250,27 +242,22 @@ def _incoming(pp, vp, m, rank, forward_only, schedule, after) -> dict[int, list[
     return out
 
 
-def build_plan(pp: int, vp: int, m: int, rank: int, forward_only: bool = False,
-               schedule: str | None = None) -> list[Action]:
-    """The action list of pipeline rank ``rank``: computes with COMM batches in between.
-
-    ``schedule``: a name of :data:`SCHEDULES` (default ``1f1b`` with VP = 1, else
-    ``interleaved-1f1b``).  With ``forward_only`` the backwards and weight gradients (and
-    gradient traffic) are dropped and the forwards keep the schedule's order.  Each COMM holds the
-    sends of the step before and the receives of the step after.  Receives follow each channel's send
-    order: when a compute needs a message that its sender sent after others still unreceived,
-    those are received (and kept) in the same COMM.
-    """
-    before, after = _p2p(pp, vp, placement(schedule))
-    incoming = _incoming(pp, vp, m, rank, forward_only, schedule, after)
+def plan_from_steps(pp: int, vp: int, rank: int, steps_of, where: str = "loop") -> list[Action]:
+    """``rank``'s action list for any compute orders: ``steps_of(q)`` gives rank ``q``'s steps
+    (lists of ``(kind, micro-batch, chunk)``), ``where`` the chunk placement.  Each COMM holds the
+    sends of the step before and the receives of the step after.  Receives follow each channel's
+    send order: when a compute needs a message that its sender sent after others still
+    unreceived, those are received (and kept) in the same COMM."""
+    before, after = _p2p(pp, vp, where)
+    incoming = _incoming(pp, vp, rank, steps_of, where, after)
     taken = {q: 0 for q in incoming}
-    where = {q: {op: i for i, op in enumerate(chan)} for q, chan in incoming.items()}
+    index = {q: {op: i for i, op in enumerate(chan)} for q, chan in incoming.items()}
     plan: list[Action] = []
     pending: list[P2P] = []
-    for step in _steps(pp, vp, m, rank, forward_only, schedule):
+    for step in steps_of(rank):
         recvs = []
         for op in (op for a in step for op in before(rank, *a)):
-            upto = max(taken[op.peer], where[op.peer][op] + 1)  # already received early: nothing
+            upto = max(taken[op.peer], index[op.peer][op] + 1)  # already received early: nothing
             recvs += incoming[op.peer][taken[op.peer]:upto]
             taken[op.peer] = upto
         if recvs or pending:
@@ -281,6 +268,28 @@ def build_plan(pp: int, vp: int, m: int, rank: int, forward_only: bool = False,
     if pending:
         plan.append(Action("COMM", ops=tuple(pending)))
     return plan
+
+
+def build_plan(pp: int, vp: int, m: int, rank: int, forward_only: bool = False,
+               schedule: str | None = None) -> list[Action]:
+    """The action list of pipeline rank ``rank``: computes with COMM batches in between
+    (:func:`plan_from_steps`).
+
+    ``schedule``: a name of :data:`SCHEDULES` (default ``1f1b`` with VP = 1, else
+    ``interleaved-1f1b``).  With ``forward_only`` the backwards and weight gradients (and
+    gradient traffic) are dropped and the forwards keep the schedule's order.
+    """
+    orders: dict[int, list] = {}
+
+    def steps_of(q):
+        if q not in orders:
+            steps = compute_steps(pp, vp, m, q, schedule)
+            if forward_only:
+                steps = [step for step in ([a for a in st if a[0] == "F"] for st in steps) if step]
+            orders[q] = steps
+        return orders[q]
+
+    return plan_from_steps(pp, vp, rank, steps_of, placement(schedule))
 
 
 def format_plan(plan: list[Action]) -> str:
