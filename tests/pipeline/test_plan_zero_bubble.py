@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from megazero.pipeline import (Action, build_plan, chunk_layer_ranges, chunk_roles, compute_order, rank_of_stage,
-                               simulate, split_backwards, stage_of_chunk)
+from megazero.pipeline import (Action, build_plan, chunk_layer_ranges, chunk_roles, compute_order, format_timeline,
+                               rank_of_stage, simulate, split_backwards, stage_of_chunk)
 
 TORCH = {"zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -129,3 +129,12 @@ def test_schedule_shape_errors():
         build_plan(4, 2, 6, 0, schedule="dualpipev")
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         build_plan(4, 2, 8, 0, schedule="dualpipe")
+
+
+def test_bubble_picture_shows_the_ws_in_1f1b_cool_down():
+    res = simulate([build_plan(4, 1, 8, r, schedule="zb-h1") for r in range(4)], 1.0, 1.0, 1.0)
+    lines = format_timeline(res, 1.0).splitlines()
+    assert lines[0] == "r0 F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert lines[3].endswith("B7 W4 W5 W6 W7")  # the last rank's held W's fill the drain
+    res = simulate([build_plan(4, 2, 8, r, schedule="zbv") for r in range(4)], 0.5, 0.5, 0.5)
+    assert format_timeline(res, 0.5).splitlines()[3].startswith("r3  .  .  . F0 f0 F1 f1")  # the V's turn
