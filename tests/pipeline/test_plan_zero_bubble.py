@@ -7,7 +7,8 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from megazero.pipeline import (Action, build_plan, chunk_layer_ranges, chunk_roles, compute_order, format_timeline,
-                               rank_of_stage, simulate, split_backwards, stage_of_chunk)
+                               in_flight_bound, rank_of_stage, simulate, split_backwards, stage_of_chunk,
+                               theoretical_bubble)
 
 TORCH = {"zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -138,3 +139,16 @@ def test_bubble_picture_shows_the_ws_in_1f1b_cool_down():
     assert lines[3].endswith("B7 W4 W5 W6 W7")  # the last rank's held W's fill the drain
     res = simulate([build_plan(4, 2, 8, r, schedule="zbv") for r in range(4)], 0.5, 0.5, 0.5)
     assert format_timeline(res, 0.5).splitlines()[3].startswith("r3  .  .  . F0 f0 F1 f1")  # the V's turn
+
+
+@pytest.mark.parametrize("name,vp", [("zb-h1", 1), ("interleaved-zb", 2), ("interleaved-zb", 3), ("zbv", 2),
+                                     ("dualpipev", 2)])
+def test_closed_forms_are_the_simulators(name, vp):
+    """in_flight_bound (the planner's memory) and theoretical_bubble (its time) = the simulator."""
+    for pp in (2, 3, 4, 8):
+        for m in sorted({1, 2, 3, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp, 4 * pp}):
+            if (name == "dualpipev" and m < 2 * pp) or (name == "interleaved-zb" and m % max(1, m // pp)):
+                continue
+            res = simulate([build_plan(pp, vp, m, r, schedule=name) for r in range(pp)], 1.0, 1.0, 1.0)
+            assert res["max_in_flight"] == [in_flight_bound(pp, vp, m, r, name) for r in range(pp)], (pp, m)
+            assert theoretical_bubble(pp, vp, m, name) == pytest.approx(sum(res["idle"]) / sum(res["busy"])), (pp, m)
