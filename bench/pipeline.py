@@ -4,6 +4,7 @@ micro-batches, one run.
 
     PYTHONPATH=. .venv/bin/python bench/pipeline.py [--ranks 4] [--micro-batches 8] [--hidden 512]
     PYTHONPATH=. .venv/bin/python bench/pipeline.py --bubble-table   # zero-bubble schedules, simulated
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --zero-bubble    # ... run, side by side with torch's
 
 ``--bubble-table``: no processes; every schedule of ``megazero.pipeline.SCHEDULES`` (and torch's
 own plan of it) at PP = 4, 8 and M = 8, 16, 32 in megazero's simulator, bubble and peak memory
@@ -216,9 +217,14 @@ def main(argv=None):
     p.add_argument("--sleep-ms", type=float, default=20.0, help="forward time of a sleeping layer")
     p.add_argument("--modes", default="matmul,sleep", help="matmul (real compute), sleep (compute off the CPU)")
     p.add_argument("--bubble-table", action="store_true", help="simulated bubble/memory table of every schedule")
+    p.add_argument("--zero-bubble", action="store_true",
+                   help="megazero's zero-bubble schedules side by side with torch's (bench/pipeline_zero_bubble.py)")
     a = p.parse_args(argv)
     if a.bubble_table:
         print_bubble_table()
+        return
+    if a.zero_bubble:
+        _sibling("pipeline_zero_bubble").main(a)
         return
     a.modes = a.modes.split(",")
     torch.set_num_threads(1)
@@ -236,14 +242,20 @@ def main(argv=None):
         report(res, pp, m)
 
 
-def print_bubble_table():
-    """``bench/pipeline_bubbles.py``'s table (loaded by path: bench/ is scripts, not a package)."""
+def _sibling(name):
+    """``bench/NAME.py`` as a module (loaded by path: bench/ is scripts, not a package)."""
     import importlib.util
     import os
-    spec = importlib.util.spec_from_file_location("pipeline_bubbles",
-                                                  os.path.join(os.path.dirname(__file__), "pipeline_bubbles.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                     f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def print_bubble_table():
+    """``bench/pipeline_bubbles.py``'s table."""
+    mod = _sibling("pipeline_bubbles")
     print("simulated, a whole stage's F = B = W = 1 (megazero.pipeline.simulate); bubble = idle / step")
     print("\n".join(mod.markdown(mod.table())), flush=True)
 
