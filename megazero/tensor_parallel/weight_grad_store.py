@@ -108,10 +108,11 @@ class WeightGradStore:
         queue = self._queued.pop(micro_batch, {})
         for weight, closures in queue.values():
             total = None
-            for compute in closures:
-                g = compute()
-                if g is not None:
-                    total = g if total is None else total + g
+            with torch.no_grad():  # as inside a backward: the saved X may require grad, nothing is recorded
+                for compute in closures:
+                    g = compute()
+                    if g is not None:
+                        total = g if total is None else total + g
             land(weight, total)
         return len(queue)
 
