@@ -154,7 +154,8 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
         raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
                            f"{par.world_size}")
     topo = Topology(par.world_size, launch.rank, tp=par.tp, pp=par.pp, vp=par.vp or 1, cp=par.cp,    # 3
-                    ep=par.ep, etp=par.etp).create_groups(timeout=timedelta(minutes=par.timeout_minutes))  # no wait forever
+                    ep=par.ep, etp=par.etp, pipeline_schedule=par.pipeline_schedule,
+                    ).create_groups(timeout=timedelta(minutes=par.timeout_minutes))  # no wait forever
     seed_host_generators(config.seed + 100 * topo.pp_rank)                                          # 4
     datasets = build_datasets(config.data, config.schedule, config.model.vocab_size)                 # 5
     stages = build_model(config, topo, model_provider or gpt_stages, device)                         # 6

@@ -1,0 +1,70 @@
+"""``--pipeline-schedule``: derived values and the one-line refusals, before any process group."""
+
+import pytest
+
+from megazero.arguments import parse_args
+from megazero.config.pipeline_flags import SCHEDULE_NAMES
+from megazero.pipeline import SCHEDULES
+from megazero.training.build import build_configs
+
+BASE = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--vocab-size", "128", "--mock-data", "--pipeline-model-parallel-size", "4",
+        "--untie-embeddings-and-output-weights"]
+
+
+def parse(extra, gbs=8):
+    return parse_args(BASE + ["--global-batch-size", str(gbs)] + list(extra), world_size=4, prog="pretrain_gpt.py")
+
+
+def test_names_agree_with_the_plans():
+    assert SCHEDULE_NAMES == tuple(SCHEDULES)
+
+
+def test_v_schedules_imply_two_chunks_and_reach_the_topology():
+    for name in ("zbv", "dualpipev"):
+        args = parse(["--pipeline-schedule", name])
+        assert args.virtual_pipeline_model_parallel_size == 2
+        par = build_configs(args).parallel
+        assert (par.vp, par.pipeline_schedule) == (2, name)
+    assert parse(["--pipeline-schedule", "zbv", "--num-layers-per-virtual-pipeline-stage", "1"]) \
+        .virtual_pipeline_model_parallel_size == 2
+    assert parse(["--pipeline-schedule", "zb-h1"]).virtual_pipeline_model_parallel_size is None
+    args = parse(["--pipeline-schedule", "interleaved-zb", "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert parse([]).pipeline_schedule is None
+
+
+@pytest.mark.parametrize("extra,gbs,needle", [
+    (["--pipeline-schedule", "interleaved-zb"], 8, "--pipeline-schedule interleaved-zb needs virtual stages"),
+    (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1"], 8,
+     "--pipeline-schedule zb-h1 runs one chunk per rank: drop --num-layers-per-virtual-pipeline-stage 1"),
+    (["--pipeline-schedule", "zbv", "--num-layers", "12"], 8,
+     "--num-layers 12 does not fold into the V of 2 x --pipeline-model-parallel-size 4 = 8 stages"),
+    (["--pipeline-schedule", "zbv", "--num-layers", "16", "--num-layers-per-virtual-pipeline-stage", "1"], 8,
+     "needs exactly 2 chunks per rank: --num-layers-per-virtual-pipeline-stage must be 2"),
+    (["--pipeline-schedule", "dualpipev"], 6, "needs at least 2 x --pipeline-model-parallel-size = 8 micro-batches"),
+    (["--pipeline-schedule", "interleaved-zb", "--num-layers-per-virtual-pipeline-stage", "1"], 11,
+     "multiple of max(1, M // PP) = 2"),
+    (["--pipeline-schedule", "dualpipe"], 8, "keeps two copies of every stage's parameters"),
+    (["--pipeline-schedule", "gpipe"], 8, "unknown schedule; choose one of 1f1b, interleaved-1f1b"),
+])
+def test_one_line_refusals(capsys, extra, gbs, needle):
+    with pytest.raises(SystemExit) as exc:
+        parse(extra, gbs)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("pretrain_gpt.py: error:") and needle in err, err
+
+
+def test_tied_embeddings_refused_with_the_v(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([a for a in BASE if a != "--untie-embeddings-and-output-weights"] +
+                   ["--global-batch-size", "8", "--pipeline-schedule", "zbv"], world_size=4, prog="pretrain_gpt.py")
+    assert "pass --untie-embeddings-and-output-weights" in capsys.readouterr().err
+
+
+def test_pp1_refuses_pipelined_schedules(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE[:-3] + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zb-h1"], world_size=1,
+                   prog="pretrain_gpt.py")
+    assert "--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size > 1" in capsys.readouterr().err
