@@ -19,6 +19,7 @@ from torch import nn
 from megazero.parallel.layout import chunk_layer_ranges, chunk_placement, chunk_roles, pipeline_tensor_shape
 from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
+from megazero.tensor_parallel.weight_grad_store import weight_grad_stores
 
 from megazero.context_parallel.chunks import slice_for_rank
 from .gpt import WORD_EMBEDDING
@@ -58,6 +59,10 @@ class ModelStages:
     * ``fuse_vocab_grads(add_weight_grad, add_embedding_grad)``: makes the vocabulary matrices
       accumulate their weight gradients through the optimizer's two callbacks (straight into its
       fp32 flat gradient); None: nothing to fuse.
+    * ``weight_grad_stores``: one :class:`~megazero.tensor_parallel.weight_grad_store.WeightGradStore`
+      per chunk, attached to its layers: a zero-bubble schedule's ``W`` computes the weight
+      gradients there (``PipelineRunner.run(..., weight_grad_stores=...)``); None: every ``B``
+      computes them all.
 
     Mixture of Experts (empty/None for a dense model):
 
@@ -80,6 +85,7 @@ class ModelStages:
     input_keys: Callable[[frozenset], frozenset] | None = None
     decoupled_lr_params: list[nn.Parameter] = field(default_factory=list)
     fuse_vocab_grads: Callable[[Callable, Callable], None] | None = None
+    weight_grad_stores: list | None = None
     expert_params: list[nn.Parameter] = field(default_factory=list)
     moe: Any = None
 
@@ -156,7 +162,7 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
                        forward_step=gpt_forward_step,
                        input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
                        decoupled_lr_params=embedding_and_output_params(chunks),
-                       fuse_vocab_grads=VocabGradFusion(chunks),
+                       fuse_vocab_grads=VocabGradFusion(chunks), weight_grad_stores=weight_grad_stores(chunks),
                        expert_params=expert_parallel_params(chunks), moe=chunks[0].moe_state)
 
 
