@@ -111,7 +111,7 @@ def _torch(topo, name, vp, cls, m, b, s, h):
         losses: list = []
         kw = {"target": y, "losses": losses} if last else {}
         sched.step(x, **kw) if first else sched.step(**kw)
-        return [float(v) for v in losses]
+        return [float(v.detach()) for v in losses]
     return chunks, run
 
 
