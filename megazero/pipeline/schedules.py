@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .p2p import P2PCommunicator
-from .plan import build_plan, schedule_name, warmup_count
+from .plan import build_plan, schedule_name, split_backwards, warmup_count
 
 
 class _Step:
@@ -50,6 +50,7 @@ class _Step:
         self.seeds = {}      # (m, c) -> scaled loss to backward from (last virtual stage)
         self.out_grads = {}  # (m, c) -> received gradient of the output
         self.to_send = {}    # ("act"|"grad", m, c) -> tensor
+        self.handed = {}     # ("act"|"grad", m) -> tensor handed to this rank's other chunk (the V's turn)
         self.losses = []
         self.live = self.max_live = 0
         self.landed = 0      # weights whose gradient a W delivered
@@ -109,14 +110,21 @@ class _Step:
             self.landed += self.stores[c].run(mb)
 
     def exchange(self, ops):
-        sends = [(self.to_send.pop((op.what, op.mb, op.chunk)), op.peer) for op in ops if op.op == "send"]
-        recv_ops = [op for op in ops if op.op == "recv"]
-        received = self.comm.exchange(sends, [op.peer for op in recv_ops])
-        for (tensor, _), op in zip(sends, [op for op in ops if op.op == "send"]):
+        me = self.topo.pp_rank
+        sends = [op for op in ops if op.op == "send"]
+        for op in sends:
+            if op.peer == me:  # the V's turn: a hand-over between this rank's chunks, no process
+                self.handed[(op.what, op.mb)] = self.to_send.pop((op.what, op.mb, op.chunk))
+        sends = [op for op in sends if op.peer != me]
+        recv_ops = [op for op in ops if op.op == "recv" and op.peer != me]
+        tensors = [self.to_send.pop((op.what, op.mb, op.chunk)) for op in sends]
+        received = self.comm.exchange(list(zip(tensors, [op.peer for op in sends])), [op.peer for op in recv_ops])
+        for tensor, op in zip(tensors, sends):
             if op.what == "act" and tensor._base is None:  # free the sent activation's storage
                 tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)  # (a view's base
                 # would keep it alive anyway); its autograd edge stays for the backward
-        for t, op in zip(received, recv_ops):
+        handed = [(self.handed.pop((op.what, op.mb)).detach(), op) for op in ops if op.op == "recv" and op.peer == me]
+        for t, op in list(zip(received, recv_ops)) + handed:
             if op.what == "act":
                 self.inputs[(op.mb, op.chunk)] = t.requires_grad_(not self.forward_only)
             else:
@@ -127,9 +135,9 @@ class _Step:
         if trace is not None:
             if self.topo.pp > 1:
                 dist.barrier(group=self.topo.pp_group)
-            trace.begin(self.topo, schedule_name(self.topo.pp, self.vp), self.m, self.vp)
+            trace.begin(self.topo, schedule_name(self.topo.pp, self.vp, _schedule(self.topo)), self.m, self.vp)
         if not self.forward_only:
-            self.deferred = {(a.mb, a.chunk) for a in plan if a.kind == "W" and self.stores[a.chunk] is not None}
+            self.deferred = {(mb, c) for mb, c in split_backwards(plan) if self.stores[c] is not None}
         for a in plan:
             t = clock() if trace is not None else 0.0
             if a.kind == "F":
@@ -142,7 +150,8 @@ class _Step:
                 self.exchange(a.ops)
             if trace is not None:
                 trace.record(a, t, clock())
-        if self.to_send or self.edges or self.seeds or self.out_grads or \
+        self.comm.finish_sends()
+        if self.to_send or self.edges or self.seeds or self.out_grads or self.handed or \
                 any(s.pending() for s in self.stores if s is not None):
             raise RuntimeError("pipeline plan left work undone (internal error)")
         return self.losses
@@ -162,10 +171,14 @@ class PipelineRunner:
                  device: torch.device | str | None = None):
         self.topo, self.m = topo, int(num_micro_batches)
         self.shape, self.dtype = tuple(activation_shape), activation_dtype
-        self.plans = {(self.m, fo): build_plan(topo.pp, topo.vp, self.m, topo.pp_rank, fo) for fo in (False, True)}
-        self.schedule = schedule_name(topo.pp, topo.vp)
+        self.plans = {(self.m, fo): self._plan(self.m, fo) for fo in (False, True)}
+        self.schedule = schedule_name(topo.pp, topo.vp, _schedule(topo))
         self.warmup = warmup_count(topo.pp, topo.vp, self.m, topo.pp_rank)
         self.comm = P2PCommunicator(topo, self.shape, self.dtype, device) if device is not None else None
+
+    def _plan(self, m: int, forward_only: bool):
+        topo = self.topo
+        return build_plan(topo.pp, topo.vp, m, topo.pp_rank, forward_only, schedule=_schedule(topo))
 
     def run(self, chunks, micro_batches, forward_step, grad_scale=1.0, forward_only: bool = False, trace=None,
             stats: dict | None = None, weight_grad_stores=None) -> list:
@@ -193,7 +206,7 @@ class PipelineRunner:
             raise ValueError(f"{len(chunks)} model chunks given, topology has VP {self.topo.vp}")
         key = (len(micro_batches), bool(forward_only))
         if key not in self.plans:  # a new batch size (validated for the schedule by the arguments)
-            self.plans[key] = build_plan(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank, key[1])
+            self.plans[key] = self._plan(*key)
         if self.comm is None:
             self.comm = P2PCommunicator(self.topo, self.shape, self.dtype, _device_of(chunks))
         stores = None if weight_grad_stores is None else list(weight_grad_stores)
@@ -212,6 +225,11 @@ class PipelineRunner:
         return losses
 
 
+def _schedule(topo) -> str | None:
+    """The topology's ``pipeline_schedule`` (None: 1F1B / interleaved 1F1B by VP)."""
+    return getattr(topo, "pipeline_schedule", None)
+
+
 def _device_of(chunks) -> torch.device:
     for chunk in chunks:
         for p in chunk.parameters():
@@ -221,11 +239,11 @@ def _device_of(chunks) -> torch.device:
 
 def forward_backward(chunks, microbatches, topo, forward_step_func, tensor_shape, dtype,
                      grad_scale=1.0, forward_only: bool = False, trace=None, stats: dict | None = None,
-                     weight_grad_stores=None, **plan_options):
+                     weight_grad_stores=None):
     """One step with a runner built for it: ``PipelineRunner(topo, len(microbatches),
     tensor_shape, dtype).run(chunks, microbatches, forward_step_func, ...)`` (tests, benchmarks;
     training builds its runner once)."""
     microbatches = list(microbatches)
-    runner = PipelineRunner(topo, len(microbatches), tensor_shape, dtype, **plan_options)
+    runner = PipelineRunner(topo, len(microbatches), tensor_shape, dtype)
     return runner.run(chunks, microbatches, forward_step_func, grad_scale=grad_scale, forward_only=forward_only,
                       trace=trace, stats=stats, weight_grad_stores=weight_grad_stores)
