@@ -13,8 +13,8 @@ stage, the mean over micro-batches (torch's ``scale_grads``, megazero's ``1 / M`
 Per schedule -- ``1f1b`` (torch ``Schedule1F1B``), ``zb-h1`` (``ScheduleInterleavedZeroBubble``, one
 stage per rank), ``interleaved-zb`` (the same, two), ``zbv`` (``ScheduleZBVZeroBubble``),
 ``dualpipev`` (``ScheduleDualPipeV``) -- both frameworks run the same micro-batches, in
-alternating paired rounds (the order flips every round) so drifting machine load hits them
-alike: the per-micro-batch losses and every parameter's gradient of the first step must agree
+round-robin with every other variant of every schedule, step by step (the order rotated every
+round), so drifting machine load hits them alike: the per-micro-batch losses and every parameter's gradient of the first step must agree
 (max |diff| reported), then the median step time over ``--steps`` after ``--warmup``; reported:
 megazero / torch per schedule, and each megazero schedule / megazero 1F1B.
 """
@@ -131,30 +131,35 @@ def _timed(run, chunks, i):
 
 
 def bench(rank, world, m, b, s, h, steps, warmup):
-    """One case at a time (its two variants alternating); returns per case the medians, the loss and
-    gradient differences of the first step (max over ranks)."""
-    out = {}
+    """Every case's two variants built up front and run round-robin, step by step, the order
+    rotated every round (drifting load hits all alike); returns per case the medians and the
+    loss and gradient differences of the first step (max over ranks)."""
+    variants = {}
     for name, vp, cls in CASES:
         if name == "dualpipev" and m < 2 * world:
             continue
         topo = Topology(world, rank, tp=1, pp=world, vp=vp, pipeline_schedule=name).create_groups()
-        variants = {"megazero": _megazero(topo, name, vp, m, b, s, h), "torch": _torch(topo, name, vp, cls, m, b, s, h)}
-        times = {k: [] for k in variants}
-        first = {}
-        for i in range(warmup + steps):
-            for k in (list(variants) if i % 2 == 0 else list(reversed(list(variants)))):
-                chunks, run = variants[k]
-                t, losses = _timed(run, chunks, i)
-                if i == 0:
-                    first[k] = (losses, _grads(chunks))
-                if i >= warmup:
-                    times[k].append(t)
-        (lm, gm), (lt, gt) = first["megazero"], first["torch"]
+        variants[(name, "megazero")] = _megazero(topo, name, vp, m, b, s, h)
+        variants[(name, "torch")] = _torch(topo, name, vp, cls, m, b, s, h)
+    keys = list(variants)
+    times, first = {k: [] for k in keys}, {}
+    for i in range(warmup + steps):
+        shift = i % len(keys)
+        for k in keys[shift:] + keys[:shift]:
+            chunks, run = variants[k]
+            t, losses = _timed(run, chunks, i)
+            if i == 0:
+                first[k] = (losses, _grads(chunks))
+            if i >= warmup:
+                times[k].append(t)
+    out = {}
+    for name in dict.fromkeys(n for n, _ in keys):
+        (lm, gm), (lt, gt) = first[(name, "megazero")], first[(name, "torch")]
         diff = torch.tensor([max([abs(a - c) for a, c in zip(lm, lt)] + [0.0]),
                              max([(a - c).abs().max().item() for a, c in zip(gm, gt)] + [0.0]),
                              float(len(lm) != len(lt))])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        out[name] = {k: statistics.median(v) for k, v in times.items()}
+        out[name] = {impl: statistics.median(times[(name, impl)]) for impl in ("megazero", "torch")}
         out[name].update(loss_diff=diff[0].item(), grad_diff=diff[1].item(), loss_count_differs=bool(diff[2]))
     return out
 
@@ -175,7 +180,7 @@ def main(a) -> None:
     torch.set_num_threads(1)
     print(f"PP={a.ranks} ranks (gloo, CPU, 1 thread each), M={a.micro_batches}, micro-batch [{a.micro_batch_size}, "
           f"{a.seq_length}, {a.hidden}], {LAYERS} blocks of megazero TP-1 linears; median of {a.steps} steps after "
-          f"{a.warmup}, megazero and torch alternating")
+          f"{a.warmup}, all variants round-robin")
     res = run_distributed(bench, a.ranks, a.micro_batches, a.micro_batch_size, a.seq_length, a.hidden, a.steps,
                           a.warmup, timeout_s=1800, collective_timeout_s=300)[0]
     print("\n".join(report(res, a.ranks, a.micro_batches)), flush=True)
