@@ -152,3 +152,17 @@ def test_closed_forms_are_the_simulators(name, vp):
             res = simulate([build_plan(pp, vp, m, r, schedule=name) for r in range(pp)], 1.0, 1.0, 1.0)
             assert res["max_in_flight"] == [in_flight_bound(pp, vp, m, r, name) for r in range(pp)], (pp, m)
             assert theoretical_bubble(pp, vp, m, name) == pytest.approx(sum(res["idle"]) / sum(res["busy"])), (pp, m)
+
+
+def test_trace_records_ws_and_reports_the_simulated_theory():
+    from megazero.pipeline import ScheduleTrace, bubble_report, chrome_trace, format_bubble_report
+    trace = ScheduleTrace()
+    trace.meta = {"rank": 0, "pp_rank": 0, "tp_rank": 0, "dp_rank": 0, "pp": 4, "vp": 1, "m": 8, "schedule": "zb-h1"}
+    for i, a in enumerate([Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0)]):
+        trace.record(a, float(i), i + 1.0)
+    assert [e[:2] for e in trace.events][2] == ("weight-grad m0 c0", "weight-grad") and trace.busy() == 3.0
+    assert any(e.get("cat") == "weight-grad" for e in chrome_trace([{"meta": trace.meta, "events": trace.events}])[
+        "traceEvents"])
+    rep = bubble_report([{"meta": trace.meta, "events": trace.events}])
+    assert rep["bubble_theory"] == pytest.approx(3 / 24)  # ZB-H1: (PP - 1) / (3 M)
+    assert "vs theory simulated with F=B=W = 0.125" in format_bubble_report(rep)
