@@ -28,3 +28,20 @@ def test_zbv_checkpoint_loads_at_1f1b_and_back(tmp_path):
             assert torch.equal(saved.full_param(name, kind), again.full_param(name, kind)), (name, kind)
     hist = run(2, ZBV + ["--load", str(at_1f1b)])
     np.testing.assert_allclose([l for _, l in hist], ref[3:], rtol=1e-5)
+
+
+def _evaluate(rank, world_size, argv):
+    from megazero.arguments import parse_args
+    from megazero.training import setup
+    return setup(parse_args(argv, world_size=world_size)).evaluate()
+
+
+def test_validation_loss_reaches_the_last_rank_with_the_v():
+    """With the V the loss is on pipeline rank 0; the last rank (which prints the validation line)
+    gets the same value as a 1f1b run's last rank (same initial weights, same batches)."""
+    from megazero.testing import run_distributed
+    flags = FLAGS + ["--eval-iters", "2", "--eval-interval", "3", "--split", "50,50,0"]
+    at_v = run_distributed(_evaluate, 2, flags + ["--pipeline-schedule", "zbv"], timeout_s=240)
+    at_1f1b = run_distributed(_evaluate, 2, flags, timeout_s=240)
+    assert at_v[-1] is not None and at_v[0] == at_v[-1]
+    np.testing.assert_allclose(at_v[-1], at_1f1b[-1], rtol=1e-5)
