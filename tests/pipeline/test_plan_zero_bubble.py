@@ -166,3 +166,11 @@ def test_trace_records_ws_and_reports_the_simulated_theory():
     rep = bubble_report([{"meta": trace.meta, "events": trace.events}])
     assert rep["bubble_theory"] == pytest.approx(3 / 24)  # ZB-H1: (PP - 1) / (3 M)
     assert "vs theory simulated with F=B=W = 0.125" in format_bubble_report(rep)
+
+
+def test_check_plans_before_a_run():
+    from megazero.pipeline import check_plans
+    for name, vp in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)):
+        assert check_plans(4, vp, 8, name)["busy"] == [24.0 * vp] * 4
+    with pytest.raises(ValueError, match=r"pipeline schedule dualpipev \(PP 4, VP 2, M 6\): dualpipev needs"):
+        check_plans(4, 2, 6, "dualpipev")
