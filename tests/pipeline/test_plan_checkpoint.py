@@ -45,3 +45,14 @@ def test_validation_loss_reaches_the_last_rank_with_the_v():
     at_1f1b = run_distributed(_evaluate, 2, flags, timeout_s=240)
     assert at_v[-1] is not None and at_v[0] == at_v[-1]
     np.testing.assert_allclose(at_v[-1], at_1f1b[-1], rtol=1e-5)
+
+
+def test_every_schedule_trains_as_1f1b_through_the_flags():
+    """pretrain_gpt's path (flags -> checks -> plans -> runner) at PP 2: 2 iterations of each
+    schedule give 1f1b's losses (fp32, rtol 1e-5; zbv: the test above)."""
+    short = FLAGS + ["--train-iters", "2"]  # (the later flag wins)
+    ref = [l for _, l in run(2, short)]
+    vp = ["--num-layers-per-virtual-pipeline-stage", "1"]
+    for extra in (["--pipeline-schedule", "zb-h1"], ["--pipeline-schedule", "interleaved-zb"] + vp,
+                  ["--pipeline-schedule", "dualpipev"]):
+        np.testing.assert_allclose([l for _, l in run(2, short + extra)], ref, rtol=1e-5, err_msg=str(extra))
