@@ -7,6 +7,15 @@ bubble fraction ``(PP - 1) / (VP M)``) -- builds this rank's action lists (:mod:
 for training, one forward-only) and the :class:`~.p2p.P2PCommunicator`; :meth:`PipelineRunner.run`
 executes one step.  It knows no model: the chunks, the micro-batches and the forward step are
 arguments.  :func:`forward_backward` is the one-call form (builds a runner for that one step).
+``topo.pipeline_schedule`` names a zero-bubble plan instead (``zb-h1``, ``interleaved-zb``,
+``zbv``, ``dualpipev``: :mod:`.zero_bubble`).
+
+Split backward: a plan's ``W m.c`` computes the weight gradients whose ``B m.c`` computed only
+input gradients.  The chunks' weight-gradient stores (``run(..., weight_grad_stores=)``,
+:mod:`megazero.tensor_parallel.weight_grad_store`, duck-typed here) defer while ``F`` and ``B`` of
+such an ``(m, c)`` run and deliver at ``W``; without stores, or for a plan without ``W``, every
+``B`` computes all gradients.  The V's turn (an op whose peer is this rank) hands the tensor
+from one chunk to the other without a process exchange.
 
 Losses: on the last virtual stage ``forward_step_func`` returns the micro-batch's scalar loss;
 the backward is seeded with ``loss * grad_scale / M`` (so gradients are those of the mean loss

@@ -15,10 +15,11 @@ the chunk's layers; the pipeline runner gets the list), does the bookkeeping:
   a closure over what ``dW`` needs (the saved input ``X`` and the output gradient ``G``) under
   the micro-batch being back-propagated;
 * :meth:`WeightGradStore.run` (action ``W``) runs micro-batch ``m``'s closures in push order
-  (the backward's order), sums each weight's contributions and *lands* the sum through the
-  weight's own ``AccumulateGrad`` (:func:`land`): ``.grad`` accumulates and the post-accumulate
-  hooks (ZeRO's gradient reduction) fire once per weight and micro-batch, as in an undivided
-  backward -- only later. A gradient-accumulation-fusion sink (:mod:`.wgrad_fusion`) is called
+  (the backward's order), sums each weight's contributions and delivers the sum through the
+  weight's own ``AccumulateGrad`` (one autograd call over a chain of :class:`_Deliver` nodes,
+  one per weight: one engine start per ``W``, not per weight): ``.grad`` accumulates and the
+  post-accumulate hooks (ZeRO's gradient reduction) fire once per weight and micro-batch, as in
+  an undivided backward -- only later. A gradient-accumulation-fusion sink (:mod:`.wgrad_fusion`) is called
   at ``W`` the same way, then the weight's hook fires with ``.grad`` None, as today.
 
 Memory: each deferred weight keeps ``X`` (already saved for the backward; with sequence
@@ -38,28 +39,39 @@ from contextlib import contextmanager
 import torch
 
 
-class _Land(torch.autograd.Function):
-    """Identity-free carrier: its backward hands ``grad`` (a tensor or None) to ``weight``'s
-    ``AccumulateGrad``, so the weight's hooks run as in an ordinary backward."""
+class _Deliver(torch.autograd.Function):
+    """One link of :meth:`WeightGradStore.run`'s chain: its backward computes ``weight``'s
+    gradient (``compute()``; None when a fusion sink took it) and hands it to the weight's
+    ``AccumulateGrad``, so the weight's hooks run as in an ordinary backward; the chain's
+    previous link (``prev``) runs next. ``AccumulateGrad`` nodes run as soon as they are ready,
+    so one weight's gradient is delivered (and, under ZeRO, taken into the flat buffer) before
+    the next one is computed: one gradient of a weight's size exists at a time."""
 
     @staticmethod
-    def forward(ctx, weight, box):
-        ctx.box = box
-        return weight.new_empty(0)
+    def forward(ctx, weight, prev, compute, first):
+        ctx.compute, ctx.first = compute, first
+        return prev.new_empty(0)
 
     @staticmethod
     def backward(ctx, _):
-        grad, ctx.box = ctx.box[0], None
-        return grad, None
+        grad, ctx.compute = ctx.compute(), None  # autograd runs backwards without recording
+        return grad, None if ctx.first else _empty(), None, None
 
 
-def land(weight: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Deliver ``grad`` to leaf ``weight`` through its ``AccumulateGrad`` node: ``weight.grad``
-    accumulates it and the weight's post-accumulate-grad hooks run once (with ``grad`` None: the
-    gradient already went to a fusion sink; the hooks run with ``.grad`` unchanged)."""
-    with torch.enable_grad():
-        out = _Land.apply(weight, [grad])
-        torch.autograd.backward(out, out.new_empty(0))
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def _summed(closures):
+    """``compute()`` of a weight used several times: the sum of its contributions."""
+    def compute():
+        total = None
+        for fn in closures:
+            g = fn()
+            if g is not None:
+                total = g if total is None else total + g
+        return total
+    return compute
 
 
 class WeightGradStore:
@@ -103,17 +115,17 @@ class WeightGradStore:
         queue.setdefault(id(weight), (weight, []))[1].append(compute)
 
     def run(self, micro_batch) -> int:
-        """Action ``W``: compute and land micro-batch ``micro_batch``'s weight gradients (each
-        weight's contributions summed, landed once); returns how many weights got one."""
+        """Action ``W``: compute and deliver micro-batch ``micro_batch``'s weight gradients, in
+        push order (each weight's contributions summed, delivered once, through its
+        ``AccumulateGrad``), in one autograd call; returns how many weights got one."""
         queue = self._queued.pop(micro_batch, {})
-        for weight, closures in queue.values():
-            total = None
-            with torch.no_grad():  # as inside a backward: the saved X may require grad, nothing is recorded
-                for compute in closures:
-                    g = compute()
-                    if g is not None:
-                        total = g if total is None else total + g
-            land(weight, total)
+        if not queue:
+            return 0
+        with torch.enable_grad():
+            link = torch.empty(0, requires_grad=True)
+            for i, (weight, closures) in enumerate(reversed(list(queue.values()))):  # the last link runs first
+                link = _Deliver.apply(weight, link, _summed(closures), i == 0)
+            torch.autograd.backward(link, torch.empty(0))
         return len(queue)
 
     def pending(self) -> list:

@@ -110,3 +110,19 @@ def test_without_deferring_the_backward_is_whole_and_outside_use_is_refused():
         loss.backward()
     store.clear()
     assert store.pending() == []
+
+
+def test_w_delivers_each_weight_before_computing_the_next():
+    """One autograd call per W, yet each gradient reaches its hook (ZeRO takes it into the flat
+    buffer) before the next is computed, in push order: one weight-sized gradient at a time."""
+    ps = [nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    events = []
+    for i, p in enumerate(ps):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: events.append(("hook", i)))
+    store = WeightGradStore()
+    with store.deferring(5):
+        for i, p in enumerate(ps):
+            store.push(p, lambda i=i: events.append(("compute", i)) or torch.full((4, 4), float(i)))
+    assert store.run(5) == 3 and store.run(5) == 0
+    assert events == [(k, i) for i in range(3) for k in ("compute", "hook")]
+    assert [p.grad[0, 0].item() for p in ps] == [0.0, 1.0, 2.0]
