@@ -141,12 +141,9 @@ def _validate_layout(err, args) -> None:
 
 
 def _validate_pipeline(err, args) -> None:
-    """``--pipeline-schedule`` (:mod:`megazero.config.pipeline_flags`), with this run's M."""
-    m, mbs, gbs = None, args.micro_batch_size, args.global_batch_size
-    if grid_valid(args) and mbs is not None and mbs >= 1:
-        dp = args.world_size // model_parallel_product(args)
-        m = (gbs if gbs is not None else mbs * dp) // (mbs * dp)
-    check_pipeline_schedule(err, args, m)
+    """``--pipeline-schedule`` (:mod:`megazero.config.pipeline_flags`), with the M the run sees."""
+    ok = grid_valid(args) and args.micro_batch_size is not None and args.micro_batch_size >= 1
+    check_pipeline_schedule(err, args, args.world_size // model_parallel_product(args) if ok else None)
 
 
 def _validate_model(err, args) -> None:

@@ -28,6 +28,8 @@ group (first and last pipeline rank) does not cover yet: refused, pass
 
 from __future__ import annotations
 
+from megazero.config.batch_schedule import BatchSchedule
+
 # the names of megazero.pipeline.SCHEDULES (the arguments package imports no pipeline code;
 # tests/pipeline/test_plan_flags.py checks the two agree)
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
@@ -43,8 +45,27 @@ def add_pipeline_schedule_flag(g) -> None:
                    "per rank in a V, implied (docs/pipeline.md)")
 
 
-def check_pipeline_schedule(err, args, num_micro_batches: int | None) -> None:
-    """The schedule's problems, one ``err`` line each (``num_micro_batches``: M, None if unknown)."""
+def run_micro_batches(args, dp: int | None) -> list[int]:
+    """The micro-batch counts M the run sees: ``--global-batch-size / (micro-batch x DP)``, or each
+    size of ``--rampup-batch-size`` / ``--step-batch-size-schedule`` (a schedule the batch-size
+    checks refuse gives the plain M); ``[]`` when unknown."""
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if dp is None or dp < 1:
+        return []
+    unit = mbs * dp
+    ms = [(gbs if gbs is not None else unit) // unit]
+    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+        try:
+            schedule = BatchSchedule.from_args(args, data_parallel_size=dp)
+            iters = args.train_iters if args.train_iters is not None else schedule.train_iters(args.train_samples or 0)
+            ms = sorted({b // unit for _, b, _ in schedule.stretches(iters)}) or ms
+        except (ArithmeticError, TypeError, ValueError):
+            pass  # named by the batch-size schedule's own check
+    return ms
+
+
+def check_pipeline_schedule(err, args, dp: int | None) -> None:
+    """The schedule's problems, one ``err`` line each (``dp``: the data-parallel size, None if unknown)."""
     name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
     if name is None:
         return
@@ -60,6 +81,19 @@ def check_pipeline_schedule(err, args, num_micro_batches: int | None) -> None:
         if name != "1f1b":
             err(f"{flag} needs --pipeline-model-parallel-size > 1 (got {pp})")
         return
+    _check_chunks(err, args, name, flag, pp)
+    for m in run_micro_batches(args, dp):
+        if name == "dualpipev" and m < 2 * pp:
+            err(f"{flag} needs at least 2 x --pipeline-model-parallel-size = {2 * pp} micro-batches, got {m}")
+            return
+        rounds = max(1, m // pp)
+        if name == "interleaved-zb" and m % rounds:
+            err(f"{flag} needs the number of micro-batches ({m}) to be a multiple of max(1, M // PP) = {rounds}")
+            return
+
+
+def _check_chunks(err, args, name, flag, pp) -> None:
+    """Virtual stages as the schedule needs them; the V's fold; tied embeddings with the V."""
     per_vp, layers = args.num_layers_per_virtual_pipeline_stage, args.num_layers
     if name in _LOOPED_VP and per_vp is None:
         err(f"{flag} needs virtual stages: give --num-layers-per-virtual-pipeline-stage")
@@ -76,14 +110,6 @@ def check_pipeline_schedule(err, args, num_micro_batches: int | None) -> None:
     if name in V_SCHEDULES and not args.untie_embeddings_and_output_weights:
         err(f"{flag} puts the word embedding and the output layer on pipeline rank 0 as two chunks, whose tied "
             "copies are not synced there yet: pass --untie-embeddings-and-output-weights")
-    m = num_micro_batches
-    if m is None:
-        return
-    if name == "dualpipev" and m < 2 * pp:
-        err(f"{flag} needs at least 2 x --pipeline-model-parallel-size = {2 * pp} micro-batches, got {m}")
-    rounds = max(1, m // pp)
-    if name == "interleaved-zb" and m % rounds:
-        err(f"{flag} needs the number of micro-batches ({m}) to be a multiple of max(1, M // PP) = {rounds}")
 
 
 def derive_pipeline(args) -> None:

@@ -56,6 +56,16 @@ def test_one_line_refusals(capsys, extra, gbs, needle):
     assert err.startswith("pretrain_gpt.py: error:") and needle in err, err
 
 
+def test_every_batch_size_of_a_schedule_is_checked(capsys):
+    """A step batch-size schedule whose first size gives 4 micro-batches: too few for dualpipev at PP 4."""
+    argv = BASE + ["--pipeline-schedule", "dualpipev", "--train-samples", "2000", "--step-batch-size-schedule", "0:4 1K:8"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=4, prog="pretrain_gpt.py")
+    assert "needs at least 2 x --pipeline-model-parallel-size = 8 micro-batches, got 4" in capsys.readouterr().err
+    parse_args(BASE + ["--pipeline-schedule", "dualpipev", "--train-samples", "2000", "--step-batch-size-schedule",
+                       "0:8 1K:16"], world_size=4, prog="pretrain_gpt.py")
+
+
 def test_tied_embeddings_refused_with_the_v(capsys):
     with pytest.raises(SystemExit):
         parse_args([a for a in BASE if a != "--untie-embeddings-and-output-weights"] +
