@@ -56,3 +56,15 @@ def test_every_schedule_trains_as_1f1b_through_the_flags():
     for extra in (["--pipeline-schedule", "zb-h1"], ["--pipeline-schedule", "interleaved-zb"] + vp,
                   ["--pipeline-schedule", "dualpipev"]):
         np.testing.assert_allclose([l for _, l in run(2, short + extra)], ref, rtol=1e-5, err_msg=str(extra))
+
+
+def test_pipeline_trace_shows_the_ws(tmp_path):
+    """--pipeline-trace with zbv: both ranks' weight-gradient spans, on both chunks."""
+    import json
+    from tests.test_training import train
+    path = tmp_path / "trace.json"
+    train(2, ZBV + ["--train-iters", "3", "--pipeline-trace", str(path)])
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    ws = {(e["pid"], e["args"]["chunk"]) for e in events if e["cat"] == "weight-grad"}
+    assert ws == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert sum(e["cat"] == "weight-grad" for e in events) == 2 * 2 * 4  # ranks x chunks x micro-batches
