@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from megazero.parallel.layout import chunk_placement, rank_of_stage, stage_of_chunk
 
+from .bounds import in_flight_bound, warmup_count  # noqa: F401  (re-exported, as before the split)
 from .simulate import simulate  # noqa: F401  (re-exported: plan.simulate, as before the split)
 from .zero_bubble import dualpipev_order, zb1p_order, zbv_order
 
@@ -131,28 +132,20 @@ def schedule_name(pp: int, vp: int, schedule: str | None = None) -> str:
     return schedule or ("1f1b" if vp == 1 else "interleaved-1f1b")
 
 
-def warmup_count(pp: int, vp: int, m: int, rank: int) -> int:
-    """Forwards (chunk-forwards with VP > 1) a rank runs before its first backward."""
-    if pp == 1:
-        return 0
-    if vp == 1:
-        return min(pp - rank - 1, m)
-    if m == pp:  # Megatron: with M == PP every rank runs all its forwards first
-        return m * vp
-    return min(2 * (pp - rank - 1) + (vp - 1) * pp, m * vp)
-
-
-def in_flight_bound(pp: int, vp: int, m: int, rank: int) -> int:
-    """Most chunk-activations held at once on ``rank`` (warm-up + 1, at most ``M VP``)."""
-    return min(warmup_count(pp, vp, m, rank) + 1, m * vp)
-
-
 def theoretical_bubble(pp: int, vp: int, m: int, schedule: str | None = None) -> float:
-    """Bubble time over ideal time: ``(PP - 1) / (VP M)`` (1F1B, interleaved 1F1B, ``t_f = t_b``);
-    for a zero-bubble schedule the simulator's mean idle over busy time with ``t_f = t_b = t_w``."""
-    if schedule in (None, "1f1b", "interleaved-1f1b", "no-pipelining") or pp == 1:
+    """Bubble time over ideal (busy) time at ``t_f = t_b = t_w``: ``(PP - 1) / (VP M)`` for 1F1B and
+    interleaved 1F1B; for the zero-bubble schedules the simulator's closed forms where the pipeline
+    is full -- ZB-H1 ``(PP - 1) / (3 M)`` (M >= PP), interleaved ZB ``(PP - 1) / (3 VP M)``
+    (M >= PP), ZBV ``(PP - 1) / (6 M)`` (M >= 2 PP), DualPipeV as megazero runs it (no F/B overlap)
+    ``(PP - 1) / (3 M)`` -- and the simulator itself otherwise."""
+    name = schedule_name(pp, vp, schedule)
+    if name in ("1f1b", "interleaved-1f1b", "no-pipelining"):
         return (pp - 1) / (vp * m)
-    res = simulate([build_plan(pp, vp, m, r, schedule=schedule) for r in range(pp)], 1.0, 1.0, 1.0)
+    full = {"zb-h1": (m >= pp, 3 * m), "interleaved-zb": (m >= pp, 3 * vp * m), "zbv": (m >= 2 * pp, 6 * m),
+            "dualpipev": (True, 3 * m)}[name]
+    if full[0]:
+        return (pp - 1) / full[1]
+    res = simulate([build_plan(pp, vp, m, r, schedule=name) for r in range(pp)], 1.0, 1.0, 1.0)
     return sum(res["idle"]) / sum(res["busy"])
 
 

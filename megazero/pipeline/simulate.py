@@ -37,6 +37,7 @@ class _Rank:
         self.split = {(a.mb, a.chunk) for a in plan if a.kind == "W"}
         self.live = self.peak = 0
         self.seen: set = set()
+        self.timeline: list[tuple[float, float, str]] = []
 
     def compute(self, r, a, t_f, t_b, t_w) -> None:
         """Run F/B/W ``a``: check its order, advance the clock, count the live activations (a
@@ -50,6 +51,7 @@ class _Rank:
         self.seen.add(key)
         split = (a.mb, a.chunk) in self.split
         dt = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}[a.kind]
+        self.timeline.append((self.clock, self.clock + dt, f"{a.kind if a.chunk < 1 else a.kind.lower()}{a.mb}"))
         self.clock += dt
         self.busy += dt
         if a.kind == "F":
@@ -91,7 +93,8 @@ def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendez
     ``t_b + t_w`` (``t_w = 0``, the default: a backward costs ``t_b`` as before the split).
     Communication is free.
 
-    Returns ``{"makespan", "busy": [...], "idle": [...], "max_in_flight": [...], "bubble"}``:
+    Returns ``{"makespan", "busy": [...], "idle": [...], "max_in_flight": [...], "bubble",
+    "timeline"}`` (per rank ``[(start, end, "F3")]``, for :func:`format_timeline`):
     ``max_in_flight`` counts chunk-activations (F done, W -- or unsplit B -- not yet), ``bubble``
     is the idle share of the step, ``sum(idle) / (ranks x makespan)``.
     """
@@ -124,4 +127,21 @@ def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendez
     busy = [st.busy for st in ranks]
     idle = [makespan - b for b in busy]
     return {"makespan": makespan, "busy": busy, "idle": idle, "max_in_flight": [st.peak for st in ranks],
-            "bubble": sum(idle) / (pp * makespan) if makespan else 0.0}
+            "bubble": sum(idle) / (pp * makespan) if makespan else 0.0,
+            "timeline": [st.timeline for st in ranks]}
+
+
+def format_timeline(result: dict, unit: float) -> str:
+    """The simulated step as text, one line per rank, one 3-character cell per ``unit`` of time:
+    ``F3`` forward of micro-batch 3, ``B3`` its backward (input gradient when split), ``W3`` its
+    weight gradient (lower case: on a chunk other than the rank's first), `` .`` idle -- the bubble picture (a full backward of ``t_b + t_w`` fills
+    two cells when ``t_w = t_b = unit``)."""
+    cells = round(result["makespan"] / unit)
+    lines = []
+    for r, events in enumerate(result["timeline"]):
+        row = [" ."] * cells
+        for start, end, name in events:
+            for k in range(round(start / unit), round(end / unit)):
+                row[k] = name[:1] + name[1:][-1:] if len(name) > 3 else name
+        lines.append(f"r{r} " + " ".join(f"{c:>2}" for c in row))
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ from __future__ import annotations
 def zb1p_order(pp: int, vp: int, m: int, rank: int) -> list[list[tuple[str, int, int]]]:
     """``zb-h1`` (VP = 1) and ``interleaved-zb`` (VP > 1), looped placement (see module doc)."""
     rounds = max(1, m // pp)
-    if m % rounds:
+    if vp > 1 and m % rounds:  # (with one chunk per rank the rounds change nothing)
         raise ValueError(f"interleaved-zb needs the number of micro-batches ({m}) to be a multiple of "
                          f"{rounds} (max(1, M // PP) rounds)")
     per_round, total = m // rounds, m * vp

@@ -68,3 +68,28 @@ def test_pp1_refuses_pipelined_schedules(capsys):
         parse_args(BASE[:-3] + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zb-h1"], world_size=1,
                    prog="pretrain_gpt.py")
     assert "--pipeline-schedule zb-h1 needs --pipeline-model-parallel-size > 1" in capsys.readouterr().err
+
+
+def test_planner_ranks_layouts_with_the_schedules():
+    """--try-pipeline-schedules: each PP > 1 layout under every schedule it can run; ZB-H1 keeps 1F1B's
+    memory with a third of its bubble, the V puts embedding and head on rank 0."""
+    from megazero.config.model import gpt_config
+    from megazero.planner import plan
+    from megazero.planner.cli import main
+    from megazero.planner.presets import gpu_preset
+    from megazero.planner.timing import step_time
+    args = parse(["--num-layers", "16"])
+    shape = gpt_config(args)
+    rows = plan(shape, 4, micro_batch_size=1, global_batch_size=16, tp=1, pp=4, zero=0,
+                schedules=("1f1b", "zb-h1", "zbv", "dualpipev"))
+    by = {x.schedule: x for x in rows}
+    assert set(by) == {"1f1b", "zb-h1", "zbv", "dualpipev"} and by["zbv"].vp == 2
+    assert by["zb-h1"].activation_bytes == by["1f1b"].activation_bytes
+    gpu = gpu_preset("h100", None, None)
+    t = {k: step_time(shape, x, gpu, 1, 0.45) for k, x in by.items()}
+    assert t["zb-h1"].bubble == pytest.approx(t["1f1b"].bubble / 3)
+    assert t["zbv"].bubble == pytest.approx(t["1f1b"].bubble / 6)
+    assert by["zbv"].stage == 0  # rank 0 holds both ends of the V
+    assert main(["--num-layers", "16", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                 "--micro-batch-size", "1", "--vocab-size", "128", "--world-size", "4", "--pipeline-model-parallel-size",
+                 "4", "--try-pipeline-schedules", "--top", "3"]) == 0

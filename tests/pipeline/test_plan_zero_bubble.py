@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from megazero.pipeline import (Action, build_plan, chunk_layer_ranges, chunk_roles, compute_order, rank_of_stage,
-                               simulate, split_backwards, stage_of_chunk)
+from megazero.pipeline import (Action, build_plan, chunk_layer_ranges, chunk_roles, compute_order, format_timeline,
+                               in_flight_bound, rank_of_stage, simulate, split_backwards, stage_of_chunk,
+                               theoretical_bubble)
 
 TORCH = {"zb-h1": "ScheduleInterleavedZeroBubble", "interleaved-zb": "ScheduleInterleavedZeroBubble",
          "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -129,3 +130,47 @@ def test_schedule_shape_errors():
         build_plan(4, 2, 6, 0, schedule="dualpipev")
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         build_plan(4, 2, 8, 0, schedule="dualpipe")
+
+
+def test_bubble_picture_shows_the_ws_in_1f1b_cool_down():
+    res = simulate([build_plan(4, 1, 8, r, schedule="zb-h1") for r in range(4)], 1.0, 1.0, 1.0)
+    lines = format_timeline(res, 1.0).splitlines()
+    assert lines[0] == "r0 F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert lines[3].endswith("B7 W4 W5 W6 W7")  # the last rank's held W's fill the drain
+    res = simulate([build_plan(4, 2, 8, r, schedule="zbv") for r in range(4)], 0.5, 0.5, 0.5)
+    assert format_timeline(res, 0.5).splitlines()[3].startswith("r3  .  .  . F0 f0 F1 f1")  # the V's turn
+
+
+@pytest.mark.parametrize("name,vp", [("zb-h1", 1), ("interleaved-zb", 2), ("interleaved-zb", 3), ("zbv", 2),
+                                     ("dualpipev", 2)])
+def test_closed_forms_are_the_simulators(name, vp):
+    """in_flight_bound (the planner's memory) and theoretical_bubble (its time) = the simulator."""
+    for pp in (2, 3, 4, 8):
+        for m in sorted({1, 2, 3, pp, pp + 1, 2 * pp - 1, 2 * pp, 2 * pp + 1, 3 * pp, 4 * pp}):
+            if (name == "dualpipev" and m < 2 * pp) or (name == "interleaved-zb" and m % max(1, m // pp)):
+                continue
+            res = simulate([build_plan(pp, vp, m, r, schedule=name) for r in range(pp)], 1.0, 1.0, 1.0)
+            assert res["max_in_flight"] == [in_flight_bound(pp, vp, m, r, name) for r in range(pp)], (pp, m)
+            assert theoretical_bubble(pp, vp, m, name) == pytest.approx(sum(res["idle"]) / sum(res["busy"])), (pp, m)
+
+
+def test_trace_records_ws_and_reports_the_simulated_theory():
+    from megazero.pipeline import ScheduleTrace, bubble_report, chrome_trace, format_bubble_report
+    trace = ScheduleTrace()
+    trace.meta = {"rank": 0, "pp_rank": 0, "tp_rank": 0, "dp_rank": 0, "pp": 4, "vp": 1, "m": 8, "schedule": "zb-h1"}
+    for i, a in enumerate([Action("F", 0, 0), Action("B", 0, 0), Action("W", 0, 0)]):
+        trace.record(a, float(i), i + 1.0)
+    assert [e[:2] for e in trace.events][2] == ("weight-grad m0 c0", "weight-grad") and trace.busy() == 3.0
+    assert any(e.get("cat") == "weight-grad" for e in chrome_trace([{"meta": trace.meta, "events": trace.events}])[
+        "traceEvents"])
+    rep = bubble_report([{"meta": trace.meta, "events": trace.events}])
+    assert rep["bubble_theory"] == pytest.approx(3 / 24)  # ZB-H1: (PP - 1) / (3 M)
+    assert "vs theory simulated with F=B=W = 0.125" in format_bubble_report(rep)
+
+
+def test_check_plans_before_a_run():
+    from megazero.pipeline import check_plans
+    for name, vp in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2), ("interleaved-zb", 2)):
+        assert check_plans(4, vp, 8, name)["busy"] == [24.0 * vp] * 4
+    with pytest.raises(ValueError, match=r"pipeline schedule dualpipev \(PP 4, VP 2, M 6\): dualpipev needs"):
+        check_plans(4, 2, 6, "dualpipev")
