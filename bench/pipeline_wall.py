@@ -117,6 +117,41 @@ def _predicted(world, m, name, phase) -> float:
     return zb["makespan"] / base["makespan"]
 
 
+def _split_overhead(args, repeats=40) -> dict:
+    """One process, one thread, no pipeline: a 1F1B stage's GPT chunk (2 layers, embedding and
+    head) run as F + full B and as F + split B + W (its store deferring), alternated; medians
+    in ms -- the split backward's own cost, free of the host's other ranks."""
+    from contextlib import nullcontext
+
+    from megazero.model import GPTModel
+    from megazero.model.stages import gpt_forward_step
+    from megazero.tensor_parallel.weight_grad_store import WeightGradStore
+    torch.set_num_threads(1)
+    model = GPTModel(_config(args.hidden, args.seq, 2), None)
+    store = WeightGradStore().attach(model)
+    mb = _batches(1, args.micro_batch, args.seq)[0]
+    spans = {k: [] for k in ("full F", "full B", "split F", "split B", "split W")}
+    for i in range(repeats + 2):
+        for mode in (("full", "split") if i % 2 else ("split", "full")):
+            model.zero_grad(set_to_none=True)
+            ctx = (lambda: store.deferring(0)) if mode == "split" else nullcontext
+            t0 = time.perf_counter()
+            with ctx():
+                loss = gpt_forward_step(model, mb, None)
+            t1 = time.perf_counter()
+            with ctx():
+                loss.backward()
+            t2 = time.perf_counter()
+            store.run(0)
+            t3 = time.perf_counter()
+            if i >= 2:  # warm-up
+                spans[f"{mode} F"].append(t1 - t0)
+                spans[f"{mode} B"].append(t2 - t1)
+                if mode == "split":
+                    spans["split W"].append(t3 - t2)
+    return {k: 1e3 * statistics.median(v) for k, v in spans.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
@@ -127,7 +162,14 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--schedules", type=lambda s: s.split(","), default=["zb-h1", "zbv"])
+    p.add_argument("--split-overhead", action="store_true",
+                   help="only the one-process F/B/W timing of a stage's chunk, full vs split backward")
     args = p.parse_args(argv)
+    if args.split_overhead:
+        ms = _split_overhead(args)
+        print(" ".join(f"{k} {v:.2f} ms;" for k, v in ms.items()),
+              f"split B + W over full B: {(ms['split B'] + ms['split W']) / ms['full B']:.3f}")
+        return
     print(f"# PP {args.ranks}, M {args.micro_batches}, micro-batch {args.micro_batch} x seq {args.seq}, hidden "
           f"{args.hidden}, {2 * args.ranks} layers; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     results = run_distributed(_bench, args.ranks, args, timeout_s=3600)

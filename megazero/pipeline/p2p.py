@@ -44,7 +44,9 @@ class P2PCommunicator:
         as one batch, wait for the receives, and return the received tensors in ``recvs`` order.
         The sends complete in the background (a zero-bubble plan may send before its peer posts
         the receive: ``plan.simulate``'s model): each is kept, with the storage it reads, until
-        :meth:`finish_sends` (or a later exchange) sees it done."""
+        :meth:`finish_sends` (or a later exchange) sees it done. A backend that coalesces the
+        batch into one work (NCCL) is waited for whole, sends included (1F1B's pairing needs
+        them in one batch); the zero-bubble plans are untested there (no GPU in these runs)."""
         out = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
         ops = []
         for tensor, peer in sends:
@@ -61,6 +63,10 @@ class P2PCommunicator:
         peers = sorted({self.ranks[p] for _, p in sends} | {self.ranks[p] for p in recvs})
         with self._named(peers):
             works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # a coalescing backend (NCCL): one work for the batch
+                for work in works:
+                    work.wait()
+                return out
             self._sent += [(w, op.tensor) for w, op in zip(works, ops) if op.op is dist.isend]
             for work in works[len(sends):]:
                 work.wait()

@@ -164,3 +164,35 @@ def test_moe_ep2_and_cp2(schedule):
 
 def test_bf16_with_gradient_accumulation_fusion_tracks_fp32():
     _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16))], loss_tol=3e-2, weight_tol=3e-2)
+
+
+def _toy_without_stores(rank, world):
+    """A model of plain parameters (no deferring layer, no stores): under every zero-bubble plan
+    each B computes all gradients and W is nothing; per-micro-batch losses and gradients equal
+    one process's."""
+    from megazero.parallel.layout import chunk_placement
+    from megazero.pipeline import forward_backward
+
+    from .toy import reference, rel_err, toy_batches, toy_chunks, toy_step
+    out = {}
+    for schedule, vp in VP.items():
+        topo = Topology(world, rank, pp=4, vp=vp, pipeline_schedule=schedule).create_groups()
+        batches = toy_batches(8, 2, 4, 16, seed=3)
+        ref_losses, ref_grads = reference(16, 8, 8, False, batches)
+        chunks = toy_chunks(16, 8, 8, 4, vp, topo.pp_rank, False, placement=chunk_placement(schedule))
+        stats = {}
+        losses = forward_backward(chunks, batches, topo, toy_step, (4, 2, 8), torch.float32, stats=stats)
+        errs = {"loss": rel_err(torch.stack(losses), ref_losses)} if topo.is_last_stage else {}
+        errs.update({k: rel_err(g, ref_grads[k]) for c in chunks for k, g in c.named_grads().items()})
+        out[schedule] = (errs, stats["deferred_weight_grads"], stats["schedule"])
+    return out
+
+
+def test_zero_bubble_plans_without_stores_compute_whole_backwards():
+    results = launch(_toy_without_stores, 4, timeout_s=60)
+    for schedule in VP:
+        assert sum("loss" in r[schedule][0] for r in results) == 1  # the last stage's rank: 3, or 0 in the V
+        for rank, r in enumerate(results):
+            errs, deferred, name = r[schedule]
+            assert name == schedule and deferred == 0
+            assert all(v <= 1e-5 for v in errs.values()), (rank, schedule, errs)
