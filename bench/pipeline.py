@@ -3,6 +3,12 @@
 micro-batches, one run.
 
     PYTHONPATH=. .venv/bin/python bench/pipeline.py [--ranks 4] [--micro-batches 8] [--hidden 512]
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --bubble-table   # zero-bubble schedules, simulated
+    PYTHONPATH=. .venv/bin/python bench/pipeline.py --zero-bubble    # ... run, side by side with torch's
+
+``--bubble-table``: no processes; every schedule of ``megazero.pipeline.SCHEDULES`` (and torch's
+own plan of it) at PP = 4, 8 and M = 8, 16, 32 in megazero's simulator, bubble and peak memory
+against the published figures (``bench/pipeline_bubbles.py``).
 
 Model: ``PP * VP`` chunks (``8 / (PP VP)``-layer slices of 8 residual GELU-MLP layers, the
 same weights everywhere), batch-first activations ``[b, s, h]``, MSE loss on the last stage.
@@ -210,7 +216,16 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sleep-ms", type=float, default=20.0, help="forward time of a sleeping layer")
     p.add_argument("--modes", default="matmul,sleep", help="matmul (real compute), sleep (compute off the CPU)")
+    p.add_argument("--bubble-table", action="store_true", help="simulated bubble/memory table of every schedule")
+    p.add_argument("--zero-bubble", action="store_true",
+                   help="megazero's zero-bubble schedules side by side with torch's (bench/pipeline_zero_bubble.py)")
     a = p.parse_args(argv)
+    if a.bubble_table:
+        print_bubble_table()
+        return
+    if a.zero_bubble:
+        _sibling("pipeline_zero_bubble").main(a)
+        return
     a.modes = a.modes.split(",")
     torch.set_num_threads(1)
     pp, m = a.ranks, a.micro_batches
@@ -225,6 +240,24 @@ def main(argv=None):
         res = run_distributed(_bench, pp, m, a.micro_batch_size, a.seq_length, a.hidden, a.steps, a.warmup, sleep_s,
                               timeout_s=1200, collective_timeout_s=300)[0]
         report(res, pp, m)
+
+
+def _sibling(name):
+    """``bench/NAME.py`` as a module (loaded by path: bench/ is scripts, not a package)."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def print_bubble_table():
+    """``bench/pipeline_bubbles.py``'s table."""
+    mod = _sibling("pipeline_bubbles")
+    print("simulated, a whole stage's F = B = W = 1 (megazero.pipeline.simulate); bubble = idle / step")
+    print("\n".join(mod.markdown(mod.table())), flush=True)
 
 
 def report(res, pp, m):

@@ -34,6 +34,7 @@ from megazero.config.batch_schedule import BatchSchedule, parse_batch_schedule
 from megazero.config.cp_flags import check_cp, derive_cp, model_parallel_product
 from megazero.config.mla_flags import check_mla
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
+from megazero.config.pipeline_flags import check_pipeline_schedule, derive_pipeline
 from megazero.config.domains import check_domains
 from megazero.config.reliability_flags import check_reliability, derive_reliability
 from megazero.config.run_checks import check_required, check_run, check_sample_counts
@@ -69,6 +70,7 @@ def derive(args) -> None:
         args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * args.num_layers_per_virtual_pipeline_stage)
     else:
         args.virtual_pipeline_model_parallel_size = None
+    derive_pipeline(args)  # --pipeline-schedule zbv/dualpipev: two chunks per rank, implied
     if args.global_batch_size is None and args.micro_batch_size:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.micro_batch_size and args.global_batch_size:
@@ -128,7 +130,8 @@ def _validate_layout(err, args) -> None:
             err(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
                 f"= {mbs * dp}")
         m = gbs // (mbs * dp)
-        if args.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and m % pp:
+        if (args.num_layers_per_virtual_pipeline_stage is not None and pp > 1 and m % pp
+                and args.pipeline_schedule in (None, "interleaved-1f1b")):
             err(f"with interleaving, the number of micro-batches {m} (--global-batch-size {gbs} / "
                 f"(--micro-batch-size {mbs} x DP {dp})) must be a multiple of --pipeline-model-parallel-size {pp}")
     if args.sequence_parallel and tp == 1:
@@ -136,6 +139,12 @@ def _validate_layout(err, args) -> None:
         args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length is not None and args.seq_length % tp:
         err(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by --tensor-model-parallel-size {tp}")
+
+
+def _validate_pipeline(err, args) -> None:
+    """``--pipeline-schedule`` (:mod:`megazero.config.pipeline_flags`), with the M the run sees."""
+    ok = grid_valid(args) and args.micro_batch_size is not None and args.micro_batch_size >= 1
+    check_pipeline_schedule(err, args, args.world_size // model_parallel_product(args) if ok else None)
 
 
 def _validate_model(err, args) -> None:
@@ -277,8 +286,8 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     check_domains(problems.append, args)
     outside = [p.split(" ", 1)[0] for p in problems]  # the flags whose value is outside its domain
     checks = [_validate_grid, _validate_model, _first_only(_validate_batch_schedule),
-              _validate_layout, check_run, _validate_schedule, _validate_features, check_moe, check_cp,
-              check_reliability, check_mla]
+              _validate_layout, _validate_pipeline, check_run, _validate_schedule, _validate_features, check_moe,
+              check_cp, check_reliability, check_mla]
     more = [check_required, check_moe_training, check_sample_counts] if training else []
     for check in checks + more + list(extra_checks):
         found = []

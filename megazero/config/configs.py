@@ -49,6 +49,8 @@ class ParallelConfig:
     """``--distributed-backend`` (default nccl with CUDA, gloo otherwise)."""
     timeout_minutes: float = 10.0
     """``--distributed-timeout-minutes``: bounds every collective of every group."""
+    pipeline_schedule: str | None = None
+    """``--pipeline-schedule`` (megazero's own; None: ``1f1b``, or ``interleaved-1f1b`` with VP > 1)."""
 
     @property
     def dp(self) -> int:

@@ -16,6 +16,7 @@ from megazero.config.megatron_flags import add_compat_flags
 from megazero.config.cp_flags import add_cp_flags
 from megazero.config.mla_flags import add_mla_flags
 from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
+from megazero.config.pipeline_flags import add_pipeline_schedule_flag
 from megazero.config.reliability_flags import add_reliability_flags
 from megazero.config.run_checks import TOKENIZERS
 from megazero.config.rank import current_rank
@@ -188,6 +189,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    add_pipeline_schedule_flag(g)  # --pipeline-schedule (megazero's own)
     g.add_argument("--sequence-parallel", action="store_true")
     add_cp_flags(g)  # --context-parallel-size, --cp-comm-type
     add_expert_parallel_flags(g)  # --expert-model-parallel-size, --expert-tensor-parallel-size

@@ -29,7 +29,8 @@ def parallel_config(args) -> ParallelConfig:
                           ep=args.expert_model_parallel_size,
                           etp=args.expert_tensor_parallel_size or tp,
                           sequence_parallel=args.sequence_parallel, backend=args.distributed_backend,
-                          timeout_minutes=args.distributed_timeout_minutes)
+                          timeout_minutes=args.distributed_timeout_minutes,
+                          pipeline_schedule=args.pipeline_schedule)
 
 
 def tokenizer_config(args) -> TokenizerConfig:

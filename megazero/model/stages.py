@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero.parallel.layout import chunk_layer_ranges, chunk_roles, pipeline_tensor_shape
+from megazero.parallel.layout import chunk_layer_ranges, chunk_placement, chunk_roles, pipeline_tensor_shape
 from megazero.tensor_parallel.layers import param_initializer
 from megazero.tensor_parallel.spec import tp_duplicated_params
+from megazero.tensor_parallel.weight_grad_store import weight_grad_stores
 
 from megazero.context_parallel.chunks import slice_for_rank
 from .gpt import WORD_EMBEDDING
@@ -58,6 +59,10 @@ class ModelStages:
     * ``fuse_vocab_grads(add_weight_grad, add_embedding_grad)``: makes the vocabulary matrices
       accumulate their weight gradients through the optimizer's two callbacks (straight into its
       fp32 flat gradient); None: nothing to fuse.
+    * ``weight_grad_stores``: one :class:`~megazero.tensor_parallel.weight_grad_store.WeightGradStore`
+      per chunk, attached to its layers: a zero-bubble schedule's ``W`` computes the weight
+      gradients there (``PipelineRunner.run(..., weight_grad_stores=...)``); None: every ``B``
+      computes them all.
 
     Mixture of Experts (empty/None for a dense model):
 
@@ -80,6 +85,7 @@ class ModelStages:
     input_keys: Callable[[frozenset], frozenset] | None = None
     decoupled_lr_params: list[nn.Parameter] = field(default_factory=list)
     fuse_vocab_grads: Callable[[Callable, Callable], None] | None = None
+    weight_grad_stores: list | None = None
     expert_params: list[nn.Parameter] = field(default_factory=list)
     moe: Any = None
 
@@ -103,10 +109,13 @@ def provider_options(provider) -> dict:
 def build_model_chunks(config, topo, meta_init: bool = False) -> list[nn.Module]:
     """This rank's VP ``GPTModel`` slices, in virtual-stage order: chunk ``c`` holds the global
     layers of virtual stage ``c * PP + pp_rank`` (:func:`~megazero.pipeline.chunk_layer_ranges`),
-    the embedding on virtual stage 0, the final norm, output layer and loss on the last."""
+    or with the V of ``topo.pipeline_schedule`` zbv/dualpipev stage ``pp_rank`` (chunk 0) and
+    ``2 PP - 1 - pp_rank`` (chunk 1); the embedding on virtual stage 0, the final norm, output
+    layer and loss on the last (both on pipeline rank 0 with the V)."""
     from .gpt import GPTModel
-    ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank)
-    roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank)
+    where = chunk_placement(getattr(topo, "pipeline_schedule", None))  # zbv/dualpipev: the V
+    ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank, where)
+    roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank, where)
     chunks, state = [], None
     for (start, end), (pre, post) in zip(ranges, roles):  # one MoEState shared by the chunks
         chunks.append(GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post,
@@ -127,6 +136,9 @@ def shared_embedding_params(chunks, topo) -> list:
         return []
     owners = ([chunks[0]] if topo.is_first_stage else []) + ([chunks[-1]] if topo.is_last_stage else [])
     weights = [chunk.shared_embedding_weight() for chunk in owners]
+    if chunk_placement(getattr(topo, "pipeline_schedule", None)) == "v" and any(w is not None for w in weights):
+        raise ValueError("tied word embeddings with the V placement (zbv, dualpipev: embedding and output layer "
+                         "both on pipeline rank 0) are not synced yet: untie them (--untie-embeddings-and-output-weights)")
     return [(w, topo.embedding_group) for w in weights if w is not None]
 
 
@@ -150,7 +162,7 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
                        forward_step=gpt_forward_step,
                        input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
                        decoupled_lr_params=embedding_and_output_params(chunks),
-                       fuse_vocab_grads=VocabGradFusion(chunks),
+                       fuse_vocab_grads=VocabGradFusion(chunks), weight_grad_stores=weight_grad_stores(chunks),
                        expert_params=expert_parallel_params(chunks), moe=chunks[0].moe_state)
 
 

@@ -4,7 +4,9 @@ Expert ``e`` of layer ``n`` computes ``fc2(act(fc1 x))`` with ``fc1.weight`` ``[
 gate and up blocks) or ``[f, h]``, and ``fc2.weight`` ``[h, f]``. Over ETP ranks ``fc1`` keeps a
 block of output rows (of each logical block) and ``fc2`` a block of input columns, the rule of
 :mod:`megazero.tensor_parallel.spec`; the output is this rank's partial sum over ETP, which the
-dispatcher reduce-scatters (:mod:`megazero.moe.dispatch`). No collective here.
+dispatcher reduce-scatters (:mod:`megazero.moe.dispatch`). No collective here. The weight
+gradients defer to a zero-bubble schedule's ``W`` like the dense linears'
+(:mod:`megazero.tensor_parallel.weight_grad_store`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megazero.tensor_parallel import seeded_normal
 from megazero.tensor_parallel.activations import activate
 from megazero.tensor_parallel.layers import TPLayer
+from megazero.tensor_parallel.wgrad_fusion import linear
 
 
 class ExpertLinear(TPLayer):
@@ -34,6 +36,7 @@ class ExpertLinear(TPLayer):
         self.tp_group = etp_group
         self.partitions = {"weight": (dim, partition_sizes if dim == 0 else None, None)}
         self.param_inits = {}
+        self.weight_grad_store = None  # split backward: WeightGradStore.attach (deferred to W)
         shape = (out_features, in_features)
 
         def full() -> torch.Tensor:
@@ -43,7 +46,7 @@ class ExpertLinear(TPLayer):
         self.weight = self._make("weight", shape, full, params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, None, self.weight_grad_store)
 
 
 class ExpertMLP(nn.Module):

@@ -8,7 +8,9 @@ virtual stages; the ``L`` layers are split evenly, ``L / S`` consecutive layers 
 and chunk ``c`` of pipeline rank ``r`` is virtual stage ``s = c * PP + r`` (Megatron's interleaved
 order: PP = 2, VP = 2, 8 layers -> rank 0 holds layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7).
 The input side (e.g. an embedding) lives on virtual stage 0 (chunk 0 of pipeline rank 0), the
-output side and the loss on virtual stage ``S - 1`` (the last chunk of the last pipeline rank).
+output side and the loss on virtual stage ``S - 1`` (the last chunk of the last pipeline rank).  The V
+placement of the zero-bubble schedules (``zbv``, ``dualpipev``; :func:`stage_of_chunk`) puts
+chunk 0 of rank ``r`` at stage ``r`` and chunk 1 at stage ``2 PP - 1 - r``.
 """
 
 from __future__ import annotations
@@ -68,18 +70,56 @@ def layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     return groups
 
 
-def chunk_layer_ranges(num_layers: int, pp: int, vp: int, pp_rank: int) -> list[tuple[int, int]]:
-    """``[(layer_start, layer_end), ...]`` of each of ``pp_rank``'s VP chunks (global layers)."""
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def chunk_placement(schedule: str | None) -> str:
+    """``"v"`` for the V-shaped pipeline schedules (``zbv``, ``dualpipev``), else ``"loop"``."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
+def stage_of_chunk(pp: int, vp: int, pp_rank: int, chunk: int, placement: str = "loop") -> int:
+    """The virtual stage of ``pp_rank``'s chunk ``chunk``.
+
+    ``placement="loop"`` (Megatron's interleaved order): ``s = chunk * PP + pp_rank``.
+    ``placement="v"`` (zero-bubble V, needs VP = 2): chunk 0 is stage ``pp_rank`` and chunk 1 is
+    stage ``2 PP - 1 - pp_rank`` -- the stages go down the ranks and come back up, so rank 0 holds
+    both the first and the last stage and the turn at rank ``PP - 1`` (stage ``PP - 1`` -> ``PP``)
+    stays on one rank.
+    """
+    if placement == "v":
+        if vp != 2:
+            raise ValueError(f"the V placement needs exactly 2 chunks per pipeline rank, got VP {vp}")
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
+    if placement != "loop":
+        raise ValueError(f"unknown chunk placement {placement!r} (loop or v)")
+    return chunk * pp + pp_rank
+
+
+def rank_of_stage(pp: int, stage: int, placement: str = "loop") -> tuple[int, int]:
+    """``(pp_rank, chunk)`` holding virtual stage ``stage`` (inverse of :func:`stage_of_chunk`)."""
+    if placement == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, vp: int, pp_rank: int,
+                       placement: str = "loop") -> list[tuple[int, int]]:
+    """``[(layer_start, layer_end), ...]`` of each of ``pp_rank``'s VP chunks (global layers):
+    virtual stage ``s`` (:func:`stage_of_chunk`) holds layers ``[s L / S, (s + 1) L / S)``."""
     stages = pp * vp
     if num_layers % stages:
-        raise ValueError(f"{num_layers} layers cannot be split evenly over PP {pp} x VP {vp} = {stages} chunks")
+        fold = " (the V folds the layers into 2 x PP stages)" if placement == "v" else ""
+        raise ValueError(f"{num_layers} layers cannot be split evenly over PP {pp} x VP {vp} = {stages} chunks{fold}")
     per = num_layers // stages
-    return [((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per) for c in range(vp)]
+    return [(s * per, (s + 1) * per) for s in (stage_of_chunk(pp, vp, pp_rank, c, placement) for c in range(vp))]
 
 
-def chunk_roles(pp: int, vp: int, pp_rank: int) -> list[tuple[bool, bool]]:
-    """``[(pre_process, post_process), ...]`` of each chunk: input-side / output-and-loss owner."""
-    return [(c == 0 and pp_rank == 0, c == vp - 1 and pp_rank == pp - 1) for c in range(vp)]
+def chunk_roles(pp: int, vp: int, pp_rank: int, placement: str = "loop") -> list[tuple[bool, bool]]:
+    """``[(pre_process, post_process), ...]`` of each chunk: input-side (virtual stage 0) /
+    output-and-loss (virtual stage ``S - 1``) owner.  With the V both are on pipeline rank 0."""
+    last = pp * vp - 1
+    return [(s == 0, s == last) for s in (stage_of_chunk(pp, vp, pp_rank, c, placement) for c in range(vp))]
 
 
 def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int,

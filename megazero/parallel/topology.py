@@ -53,14 +53,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .layout import EXPERT_KINDS, GROUP_KINDS, expert_groups_needed, layout
+from .layout import EXPERT_KINDS, GROUP_KINDS, chunk_placement, expert_groups_needed, layout
 
 @dataclass
 class Topology:
     """This rank's place in a (TP, PP, DP) grid, with its process groups once created.
 
-    ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank; it shapes
-    no group but belongs to the layout, so it lives here too.
+    ``vp`` is the number of virtual pipeline stages (model chunks) per pipeline rank, and
+    ``pipeline_schedule`` the schedule (its chunk placement: :func:`.layout.stage_of_chunk`); they
+    shape no group but belong to the layout, so they live here too.
     """
 
     world_size: int
@@ -71,6 +72,7 @@ class Topology:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # expert TP size; None: TP
+    pipeline_schedule: str | None = None  # megazero.pipeline.SCHEDULES name; None: 1f1b / interleaved-1f1b
     groups: dict = field(default_factory=dict, repr=False)  # kind -> ProcessGroup of this rank
     rank_lists: dict = field(default_factory=dict, repr=False)  # kind -> this rank's group ranks
 
@@ -102,6 +104,10 @@ class Topology:
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank holds the last virtual stage (the loss): pipeline rank PP - 1, or
+        rank 0 with the V placement of ``zbv``/``dualpipev`` (:func:`.layout.stage_of_chunk`)."""
+        if chunk_placement(self.pipeline_schedule) == "v":
+            return self.pp_rank == 0
         return self.pp_rank == self.pp - 1
 
     @property

@@ -7,6 +7,15 @@ bubble fraction ``(PP - 1) / (VP M)``) -- builds this rank's action lists (:mod:
 for training, one forward-only) and the :class:`~.p2p.P2PCommunicator`; :meth:`PipelineRunner.run`
 executes one step.  It knows no model: the chunks, the micro-batches and the forward step are
 arguments.  :func:`forward_backward` is the one-call form (builds a runner for that one step).
+``topo.pipeline_schedule`` names a zero-bubble plan instead (``zb-h1``, ``interleaved-zb``,
+``zbv``, ``dualpipev``: :mod:`.zero_bubble`).
+
+Split backward: a plan's ``W m.c`` computes the weight gradients whose ``B m.c`` computed only
+input gradients.  The chunks' weight-gradient stores (``run(..., weight_grad_stores=)``,
+:mod:`megazero.tensor_parallel.weight_grad_store`, duck-typed here) defer while ``F`` and ``B`` of
+such an ``(m, c)`` run and deliver at ``W``; without stores, or for a plan without ``W``, every
+``B`` computes all gradients.  The V's turn (an op whose peer is this rank) hands the tensor
+from one chunk to the other without a process exchange.
 
 Losses: on the last virtual stage ``forward_step_func`` returns the micro-batch's scalar loss;
 the backward is seeded with ``loss * grad_scale / M`` (so gradients are those of the mean loss
@@ -24,20 +33,24 @@ with 1F1B, ``warm-up + 1`` chunk-activations interleaved.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .p2p import P2PCommunicator
-from .plan import build_plan, schedule_name, warmup_count
+from .plan import build_plan, schedule_name, split_backwards, warmup_count
 
 
 class _Step:
     """The state of one step being executed (inputs, autograd edges, pending sends, losses)."""
 
-    def __init__(self, chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace):
+    def __init__(self, chunks, microbatches, topo, forward_step_func, comm, grad_scale, forward_only, trace,
+                 stores=None):
         self.chunks, self.mbs, self.topo = chunks, microbatches, topo
+        self.stores = stores if stores is not None else [None] * len(chunks)  # per chunk: WeightGradStore
+        self.deferred = set()  # (m, c) whose weight gradients wait for the plan's W
         self.step_fn, self.comm = forward_step_func, comm
         self.grad_scale, self.forward_only, self.trace = grad_scale, forward_only, trace
         self.vp, self.m = len(chunks), len(microbatches)
@@ -46,8 +59,15 @@ class _Step:
         self.seeds = {}      # (m, c) -> scaled loss to backward from (last virtual stage)
         self.out_grads = {}  # (m, c) -> received gradient of the output
         self.to_send = {}    # ("act"|"grad", m, c) -> tensor
+        self.handed = {}     # ("act"|"grad", m) -> tensor handed to this rank's other chunk (the V's turn)
         self.losses = []
         self.live = self.max_live = 0
+        self.landed = 0      # weights whose gradient a W delivered
+
+    def deferring(self, mb, c):
+        """The F and B of a micro-batch with a W in the plan run with the chunk's store deferring."""
+        store = self.stores[c]
+        return store.deferring(mb) if store is not None and (mb, c) in self.deferred else nullcontext()
 
     def is_first(self, c):
         return c == 0 and self.topo.is_first_stage
@@ -59,7 +79,8 @@ class _Step:
         x = self.inputs.get((mb, c))
         if x is None and not self.is_first(c):
             raise RuntimeError(f"pipeline rank {self.topo.pp_rank}: no input received for micro-batch {mb} chunk {c}")
-        out = self.step_fn(self.chunks[c], self.mbs[mb], x)
+        with self.deferring(mb, c):
+            out = self.step_fn(self.chunks[c], self.mbs[mb], x)
         if self.forward_only:
             self.inputs.pop((mb, c), None)
         if self.is_last(c):
@@ -77,28 +98,42 @@ class _Step:
             self.max_live = max(self.max_live, self.live)
 
     def backward(self, mb, c):
-        if self.is_last(c):
-            self.seeds.pop((mb, c)).backward()
-        else:
-            grad = self.out_grads.pop((mb, c))
-            edge = self.edges.pop((mb, c), None)
-            if edge is not None:
-                torch.autograd.backward(edge, grad_tensors=grad)
+        with self.deferring(mb, c):
+            if self.is_last(c):
+                self.seeds.pop((mb, c)).backward()
+            else:
+                grad = self.out_grads.pop((mb, c))
+                edge = self.edges.pop((mb, c), None)
+                if edge is not None:
+                    torch.autograd.backward(edge, grad_tensors=grad)
         x = self.inputs.pop((mb, c), None)
         if not self.is_first(c):
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             self.to_send[("grad", mb, c)] = g
         self.live -= 1
 
+    def weight(self, mb, c):
+        """Action W: the weight gradients the B of (mb, c) left in the chunk's store (none when
+        the chunk has no store: then B computed them)."""
+        if (mb, c) in self.deferred:
+            self.landed += self.stores[c].run(mb)
+
     def exchange(self, ops):
-        sends = [(self.to_send.pop((op.what, op.mb, op.chunk)), op.peer) for op in ops if op.op == "send"]
-        recv_ops = [op for op in ops if op.op == "recv"]
-        received = self.comm.exchange(sends, [op.peer for op in recv_ops])
-        for (tensor, _), op in zip(sends, [op for op in ops if op.op == "send"]):
+        me = self.topo.pp_rank
+        sends = [op for op in ops if op.op == "send"]
+        for op in sends:
+            if op.peer == me:  # the V's turn: a hand-over between this rank's chunks, no process
+                self.handed[(op.what, op.mb)] = self.to_send.pop((op.what, op.mb, op.chunk))
+        sends = [op for op in sends if op.peer != me]
+        recv_ops = [op for op in ops if op.op == "recv" and op.peer != me]
+        tensors = [self.to_send.pop((op.what, op.mb, op.chunk)) for op in sends]
+        received = self.comm.exchange(list(zip(tensors, [op.peer for op in sends])), [op.peer for op in recv_ops])
+        for tensor, op in zip(tensors, sends):
             if op.what == "act" and tensor._base is None:  # free the sent activation's storage
                 tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)  # (a view's base
                 # would keep it alive anyway); its autograd edge stays for the backward
-        for t, op in zip(received, recv_ops):
+        handed = [(self.handed.pop((op.what, op.mb)).detach(), op) for op in ops if op.op == "recv" and op.peer == me]
+        for t, op in list(zip(received, recv_ops)) + handed:
             if op.what == "act":
                 self.inputs[(op.mb, op.chunk)] = t.requires_grad_(not self.forward_only)
             else:
@@ -109,18 +144,24 @@ class _Step:
         if trace is not None:
             if self.topo.pp > 1:
                 dist.barrier(group=self.topo.pp_group)
-            trace.begin(self.topo, schedule_name(self.topo.pp, self.vp), self.m, self.vp)
+            trace.begin(self.topo, schedule_name(self.topo.pp, self.vp, _schedule(self.topo)), self.m, self.vp)
+        if not self.forward_only:
+            self.deferred = {(mb, c) for mb, c in split_backwards(plan) if self.stores[c] is not None}
         for a in plan:
             t = clock() if trace is not None else 0.0
             if a.kind == "F":
                 self.forward(a.mb, a.chunk)
             elif a.kind == "B":
                 self.backward(a.mb, a.chunk)
+            elif a.kind == "W":
+                self.weight(a.mb, a.chunk)
             else:
                 self.exchange(a.ops)
             if trace is not None:
                 trace.record(a, t, clock())
-        if self.to_send or self.edges or self.seeds or self.out_grads:
+        self.comm.finish_sends()
+        if self.to_send or self.edges or self.seeds or self.out_grads or self.handed or \
+                any(s.pending() for s in self.stores if s is not None):
             raise RuntimeError("pipeline plan left work undone (internal error)")
         return self.losses
 
@@ -139,13 +180,17 @@ class PipelineRunner:
                  device: torch.device | str | None = None):
         self.topo, self.m = topo, int(num_micro_batches)
         self.shape, self.dtype = tuple(activation_shape), activation_dtype
-        self.plans = {(self.m, fo): build_plan(topo.pp, topo.vp, self.m, topo.pp_rank, fo) for fo in (False, True)}
-        self.schedule = schedule_name(topo.pp, topo.vp)
+        self.plans = {(self.m, fo): self._plan(self.m, fo) for fo in (False, True)}
+        self.schedule = schedule_name(topo.pp, topo.vp, _schedule(topo))
         self.warmup = warmup_count(topo.pp, topo.vp, self.m, topo.pp_rank)
         self.comm = P2PCommunicator(topo, self.shape, self.dtype, device) if device is not None else None
 
+    def _plan(self, m: int, forward_only: bool):
+        topo = self.topo
+        return build_plan(topo.pp, topo.vp, m, topo.pp_rank, forward_only, schedule=_schedule(topo))
+
     def run(self, chunks, micro_batches, forward_step, grad_scale=1.0, forward_only: bool = False, trace=None,
-            stats: dict | None = None) -> list:
+            stats: dict | None = None, weight_grad_stores=None) -> list:
         """One step; returns the last virtual stage's per-micro-batch losses (detached), else ``[]``.
 
         ``chunks``: this rank's VP model chunks (a single module means VP = 1), in virtual-stage
@@ -156,7 +201,13 @@ class PipelineRunner:
         ``grad_scale``: float or 0-dim tensor multiplying the loss's gradient (fp16 loss scale).
         ``forward_only``: no backward, no grad (evaluation).  ``trace``: a
         :class:`~megazero.pipeline.trace.ScheduleTrace` to record this step into (adds a barrier).
-        ``stats``: a dict to receive ``schedule``, ``warmup``, ``max_in_flight``.
+        ``stats``: a dict to receive ``schedule``, ``warmup``, ``max_in_flight``,
+        ``deferred_weight_grads`` (weight gradients the step's ``W`` actions delivered).
+        ``weight_grad_stores``: one :class:`~megazero.tensor_parallel.weight_grad_store.WeightGradStore`
+        (or None) per chunk, attached to the chunk's layers (``ModelStages.weight_grad_stores``):
+        a plan's ``W`` actions then compute the weight gradients its ``B`` deferred; without
+        stores (or with plans without ``W``) every ``B`` computes all gradients, and ``W`` is
+        nothing.
         """
         chunks = [chunks] if isinstance(chunks, torch.nn.Module) else list(chunks)
         micro_batches = list(micro_batches)
@@ -164,16 +215,28 @@ class PipelineRunner:
             raise ValueError(f"{len(chunks)} model chunks given, topology has VP {self.topo.vp}")
         key = (len(micro_batches), bool(forward_only))
         if key not in self.plans:  # a new batch size (validated for the schedule by the arguments)
-            self.plans[key] = build_plan(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank, key[1])
+            self.plans[key] = self._plan(*key)
         if self.comm is None:
             self.comm = P2PCommunicator(self.topo, self.shape, self.dtype, _device_of(chunks))
-        step = _Step(chunks, micro_batches, self.topo, forward_step, self.comm, grad_scale, forward_only, trace)
+        stores = None if weight_grad_stores is None else list(weight_grad_stores)
+        if stores is not None and len(stores) != len(chunks):
+            raise ValueError(f"{len(stores)} weight-gradient stores given for {len(chunks)} model chunks")
+        for store in stores or []:
+            if store is not None:
+                store.clear()  # nothing of a failed or discarded step survives into this one
+        step = _Step(chunks, micro_batches, self.topo, forward_step, self.comm, grad_scale, forward_only, trace,
+                     stores)
         with torch.no_grad() if forward_only else torch.enable_grad():
             losses = step.run(self.plans[key])
         if stats is not None:
-            stats.update(schedule=self.schedule, max_in_flight=step.max_live,
+            stats.update(schedule=self.schedule, max_in_flight=step.max_live, deferred_weight_grads=step.landed,
                          warmup=warmup_count(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank))
         return losses
+
+
+def _schedule(topo) -> str | None:
+    """The topology's ``pipeline_schedule`` (None: 1F1B / interleaved 1F1B by VP)."""
+    return getattr(topo, "pipeline_schedule", None)
 
 
 def _device_of(chunks) -> torch.device:
@@ -184,11 +247,12 @@ def _device_of(chunks) -> torch.device:
 
 
 def forward_backward(chunks, microbatches, topo, forward_step_func, tensor_shape, dtype,
-                     grad_scale=1.0, forward_only: bool = False, trace=None, stats: dict | None = None):
+                     grad_scale=1.0, forward_only: bool = False, trace=None, stats: dict | None = None,
+                     weight_grad_stores=None):
     """One step with a runner built for it: ``PipelineRunner(topo, len(microbatches),
     tensor_shape, dtype).run(chunks, microbatches, forward_step_func, ...)`` (tests, benchmarks;
     training builds its runner once)."""
     microbatches = list(microbatches)
     runner = PipelineRunner(topo, len(microbatches), tensor_shape, dtype)
     return runner.run(chunks, microbatches, forward_step_func, grad_scale=grad_scale, forward_only=forward_only,
-                      trace=trace, stats=stats)
+                      trace=trace, stats=stats, weight_grad_stores=weight_grad_stores)

@@ -1,5 +1,7 @@
 """Schedule trace: each rank's forward / backward / p2p-wait intervals of one step, as a
 Chrome-trace JSON (open in https://ui.perfetto.dev or chrome://tracing), and a bubble report.
+The zero-bubble schedules' deferred weight gradients (plan action ``W``) appear as
+``weight-grad`` events in the slots 1F1B leaves idle.
 
 Usage (what the training loop does for ``--pipeline-trace FILE``)::
 
@@ -10,7 +12,7 @@ Usage (what the training loop does for ``--pipeline-trace FILE``)::
 Timestamps are relative to each rank's exit from a pipeline-group barrier at the start of the
 step (so ranks on different hosts line up to within the barrier's skew).  Measured bubble of
 a rank: ``(T - busy) / busy``, with ``T`` the pipeline's step time (latest end over its ranks)
-and ``busy`` the rank's summed forward and backward time -- the quantity whose theory is
+and ``busy`` the rank's summed forward, backward and weight-gradient time -- the quantity whose theory is
 ``(PP - 1) / (VP M)`` (bubble time over ideal time; the wait and p2p time counts as bubble).
 """
 
@@ -23,6 +25,10 @@ import time
 import torch.distributed as dist
 
 from .plan import theoretical_bubble
+
+# plan action kind -> trace category; "weight-grad": the deferred W of a zero-bubble schedule
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
+_COMPUTE = tuple(_CATEGORY.values())
 
 
 class ScheduleTrace:
@@ -43,12 +49,12 @@ class ScheduleTrace:
         if action.kind == "COMM":
             name, cat, args = "p2p", "wait", {"ops": [str(o) for o in action.ops]}
         else:
-            name = f"{'forward' if action.kind == 'F' else 'backward'} m{action.mb} c{action.chunk}"
-            cat, args = ("forward" if action.kind == "F" else "backward"), {"mb": action.mb, "chunk": action.chunk}
+            cat = _CATEGORY[action.kind]
+            name, args = f"{cat} m{action.mb} c{action.chunk}", {"mb": action.mb, "chunk": action.chunk}
         self.events.append((name, cat, start - self.t0, end - self.t0, args))
 
     def busy(self) -> float:
-        return sum(e - s for _, cat, s, e, _ in self.events if cat in ("forward", "backward"))
+        return sum(e - s for _, cat, s, e, _ in self.events if cat in _COMPUTE)
 
     def end(self) -> float:
         return max((e for _, _, _, e, _ in self.events), default=0.0)
@@ -66,19 +72,25 @@ def bubble_report(traces: list[dict]) -> dict:
         step = max(max((e[3] for e in t["events"]), default=0.0) for t in ranks)
         step_times.append(step)
         for t in ranks:
-            busy = sum(e[3] - e[2] for e in t["events"] if e[1] in ("forward", "backward"))
+            busy = sum(e[3] - e[2] for e in t["events"] if e[1] in _COMPUTE)
             per_rank[t["meta"]["rank"]] = (step - busy) / busy if busy > 0 else float("nan")
     meta = traces[0]["meta"]
     return {"schedule": meta["schedule"], "pp": meta["pp"], "vp": meta["vp"], "m": meta["m"],
             "step_time_s": max(step_times), "bubble_per_rank": per_rank,
             "bubble_measured": statistics.mean(per_rank.values()),
-            "bubble_theory": theoretical_bubble(meta["pp"], meta["vp"], meta["m"])}
+            "bubble_theory": theoretical_bubble(meta["pp"], meta["vp"], meta["m"], meta["schedule"])}
 
 
 def format_bubble_report(rep: dict) -> str:
     ranks = " ".join(f"r{r}={b:.3f}" for r, b in sorted(rep["bubble_per_rank"].items()))
     return (f"pipeline {rep['schedule']} PP={rep['pp']} VP={rep['vp']} M={rep['m']}: step {rep['step_time_s'] * 1e3:.1f} ms, "
-            f"bubble measured {rep['bubble_measured']:.3f} vs theory (PP-1)/(VP*M) = {rep['bubble_theory']:.3f} ({ranks})")
+            f"bubble measured {rep['bubble_measured']:.3f} vs theory {_theory_label(rep['schedule'])} = "
+            f"{rep['bubble_theory']:.3f} ({ranks})")
+
+
+def _theory_label(schedule: str) -> str:
+    classic = schedule in ("no-pipelining", "1f1b", "interleaved-1f1b")
+    return "(PP-1)/(VP*M)" if classic else "simulated with F=B=W"
 
 
 def chrome_trace(traces: list[dict]) -> dict:

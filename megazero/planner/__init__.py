@@ -93,28 +93,50 @@ def micro_batches(global_batch_size: int | None, micro_batch_size: int, dp: int,
     return None if vp > 1 and m % pp else m
 
 
+def schedule_variants(shape: GPTConfig, pp: int, vp: int, m: int, schedules) -> list[tuple[str | None, int]]:
+    """The (schedule, VP) pairs a (PP, VP) layout with M micro-batches runs: ``[(None, VP)]`` (1F1B or
+    interleaved 1F1B) unless ``schedules`` names some; of those, the ones that fit: ``zb-h1`` without
+    virtual stages, ``interleaved-zb`` with them (M a multiple of ``max(1, M // PP)``), ``zbv`` and
+    ``dualpipev`` (``M >= 2 PP``) with 2 chunks per rank when ``2 PP`` divides the layers."""
+    if not schedules or pp == 1:
+        return [(None, vp)]
+    out = []
+    for name in schedules:
+        if name in ("zbv", "dualpipev"):
+            if not shape.num_layers % (2 * pp) and (name == "zbv" or m >= 2 * pp):
+                out.append((name, 2))
+        elif (vp > 1) == (name in ("interleaved-1f1b", "interleaved-zb")):
+            if name == "interleaved-zb" and m % max(1, m // pp) or name == "interleaved-1f1b" and m % pp:
+                continue
+            out.append((name, vp))
+    return out
+
+
 def plan(shape: GPTConfig, world_size: int, *, micro_batch_size: int, global_batch_size: int | None = None,
          tp: int | None = None, pp: int | None = None, zero: int | None = None, max_tp: int = 8,
          layers_per_virtual_stage: int | None = None, ep: int | None = None, etp: int | None = None,
-         cp: int | None = 1, **kw) -> list[Layout]:
+         cp: int | None = 1, schedules=None, **kw) -> list[Layout]:
     """Every valid layout, sorted by per-GPU memory (then communication). An MoE model's layouts
     also range over EP (``ep`` fixes it) with expert TP ``etp`` (default TP): :func:`expert_layouts`.
     ``cp``: context-parallel ranks (default 1); None tries every CP dividing world / (TP PP) that can
-    split the sequence (:func:`~megazero.planner.cp_memory.cp_valid`, ``shape.cp_comm_type``)."""
+    split the sequence (:func:`~megazero.planner.cp_memory.cp_valid`, ``shape.cp_comm_type``).
+    ``schedules``: pipeline schedule names to rank each PP > 1 layout under (:func:`schedule_variants`;
+    None: 1F1B / interleaved 1F1B as VP says)."""
     out, sp = [], kw.get("sequence_parallel", False)
     for t, p, v in pipelines(shape, world_size, tp, pp, max_tp, layers_per_virtual_stage):
         for c in ([cp] if cp else divisors(world_size // (t * p))):
             if world_size % (t * p * c) or not cp_valid(shape, c, t, sp):
                 continue
             n = world_size // (t * p * c)
-            m = micro_batches(global_batch_size, micro_batch_size, n, p, v)
+            m = micro_batches(global_batch_size, micro_batch_size, n, p, 1 if schedules else v)
             if m is None:
                 continue
             # With DP x CP = 1 every ZeRO stage is stage 0: list it once unless a stage was asked for.
-            for e, e_tp in expert_layouts(shape, t, n, ep, etp, c):
+            for (name, sv), (e, e_tp) in ((x, y) for x in schedule_variants(shape, p, v, m, schedules)
+                                          for y in expert_layouts(shape, t, n, ep, etp, c)):
                 for z in ([zero] if zero is not None else [0, 1, 2, 3] if n * c > 1 else [0]):
                     out.append(estimate(shape, t, p, n, z, micro_batch_size=micro_batch_size, micro_batches=m,
-                                        vp=v, ep=e, etp=e_tp, cp=c, **kw))
+                                        vp=sv, ep=e, etp=e_tp, cp=c, schedule=name, **kw))
     return sorted(out, key=lambda x: (x.total_bytes, x.comm_bytes))
 
 

@@ -43,6 +43,10 @@ def add_planner_flags(g) -> None:
     g.add_argument("--json", action="store_true", help="one JSON object per layout instead of the table")
     g.add_argument("--try-context-parallel", action="store_true",
                    help="try every context-parallel size dividing world / (TP PP) [CP: --context-parallel-size, 1]")
+    g.add_argument("--try-pipeline-schedules", action="store_true",
+                   help="rank every PP > 1 layout under each pipeline schedule it can run (1f1b, zb-h1, zbv, "
+                   "dualpipev; interleaved-1f1b, interleaved-zb with --num-layers-per-virtual-pipeline-stage): "
+                   "bubble and activation memory per schedule [--pipeline-schedule, else 1f1b/interleaved-1f1b]")
     g.add_argument("--help-all", action="store_true", help="show the training flags too and exit")
 
 
@@ -119,7 +123,16 @@ def _layouts(args, shape, param_bytes: int, grad_bytes: int, cp: int | None, gpu
                 recompute=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, gpu_memory_gb=gpu.memory_gib,
                 ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size, cp=cp,
-                attention_scores=attention_keeps_scores(args))
+                attention_scores=attention_keeps_scores(args), schedules=_schedules(args))
+
+
+def _schedules(args) -> tuple | None:
+    """The pipeline schedules to rank layouts under: all with --try-pipeline-schedules, the one of
+    --pipeline-schedule, else None (1F1B, interleaved 1F1B by VP)."""
+    from megazero.pipeline import SCHEDULES
+    if args.try_pipeline_schedules:
+        return tuple(SCHEDULES)
+    return (args.pipeline_schedule,) if args.pipeline_schedule else None
 
 
 def attention_keeps_scores(args) -> bool:
@@ -143,6 +156,9 @@ def _check(args, parser) -> None:
     for flag in ("world_size", "gpus_per_node", "top", "max_tensor_parallel_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive integer")
+    from megazero.pipeline import SCHEDULES
+    if args.pipeline_schedule is not None and args.pipeline_schedule not in SCHEDULES:
+        parser.error(f"--pipeline-schedule {args.pipeline_schedule}: choose one of {', '.join(SCHEDULES)}")
     if args.gpu_memory_gb is not None and not 0 < args.gpu_memory_gb < float("inf"):
         parser.error(f"--gpu-memory-gb {args.gpu_memory_gb}: give a positive number of GiB")
 
@@ -219,7 +235,8 @@ def main(argv=None) -> int:
     print("\n".join(recommendation(ranked, gpu.memory_gib) + _selective_note(args, shape, gpu, ranked[0])))
     if not shown:
         return 1
-    print(format_table(shown[:args.top], gpu.memory_gib, moe=shape.moe is not None, cp=cp != 1))
+    print(format_table(shown[:args.top], gpu.memory_gib, moe=shape.moe is not None, cp=cp != 1,
+                       schedules=_schedules(args) is not None))
     print(f"{sum(r.layout.fits for r in ranked)} of {len(ranked)} layouts fit {gpu.memory_gib:g} GiB, ranked by "
           "estimated step time (the rest by memory); memory and communication in GiB per GPU (the most loaded "
           "pipeline stage); see docs/plan.md")

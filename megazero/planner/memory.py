@@ -30,8 +30,9 @@ MLA layers: their own parameters and attention activations (:mod:`megazero.plann
 An MoE layer keeps its routed rows instead of the dense MLP's share
 (:mod:`megazero.planner.expert_memory`). A pipeline rank r holds ``in_flight(r)`` chunk-activations
 (:func:`megazero.pipeline.plan.in_flight_bound`: ``min(PP - r, M)`` with 1F1B,
-``min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP)`` interleaved, 1 without pipelining); the first
-stage adds the embedding dropout mask ``s b h`` (/t with SP) per in-flight micro-batch, the last
+``min(2 (PP - r - 1) + (VP - 1) PP + 1, M VP)`` interleaved, 1 without pipelining; the
+zero-bubble schedules' bounds with ``--pipeline-schedule``, whose zbv/dualpipev put the embedding
+and the head both on rank 0); the first stage adds the embedding dropout mask ``s b h`` (/t with SP) per in-flight micro-batch, the last
 ``4 s b h / t + 4 s b V' / t`` (final-norm and projection inputs, fp32 logits).
 
 **Communication per step** (bytes each rank sends, ring-equivalent: all-reduce of X over n ranks
@@ -104,27 +105,33 @@ def head_params(shape: GPTConfig, tp: int = 1, pp: int = 1) -> int:
     return norm_params(shape) + output
 
 
-def stage_layers(shape: GPTConfig, pp: int, rank: int, vp: int = 1) -> list[int]:
-    """The global layers of pipeline rank ``rank``: its VP chunks ``c PP + rank`` in order."""
-    per = shape.num_layers // (pp * vp)
-    return [n for c in range(vp) for n in range((c * pp + rank) * per, (c * pp + rank + 1) * per)]
+def stage_layers(shape: GPTConfig, pp: int, rank: int, vp: int = 1, schedule: str | None = None) -> list[int]:
+    """The global layers of pipeline rank ``rank``: its VP chunks ``c PP + rank`` in order (the V of
+    ``schedule`` zbv/dualpipev: stages ``rank`` and ``2 PP - 1 - rank``)."""
+    from megazero.pipeline import chunk_layer_ranges, placement
+    return [n for a, b in chunk_layer_ranges(shape.num_layers, pp, vp, rank, placement(schedule)) for n in range(a, b)]
+
+
+def _ends(pp: int, rank: int, schedule: str | None) -> tuple[bool, bool]:
+    """(holds the embedding, holds the head): ranks 0 and PP - 1, both rank 0 with the V."""
+    from megazero.pipeline import placement
+    return rank == 0, rank == (0 if placement(schedule) == "v" else pp - 1)
 
 
 def stage_param_split(shape: GPTConfig, tp: int, pp: int, rank: int, vp: int = 1, ep: int = 1,
-                      etp: int | None = None) -> tuple[int, int]:
+                      etp: int | None = None, schedule: str | None = None) -> tuple[int, int]:
     """(dense, expert) Φ of pipeline rank ``rank``: its layers (MoE ones per ``--moe-layer-freq``),
     the embedding on the first, the head on the last; experts sharded over EP x expert TP."""
-    layers = stage_layers(shape, pp, rank, vp)
+    layers = stage_layers(shape, pp, rank, vp, schedule)
     moe_layers = sum(shape.moe.is_moe(n) for n in layers) if shape.moe is not None else 0
     dense, expert = (len(layers) - moe_layers) * layer_params(shape, tp), 0
     if moe_layers:
         d, e = moe_block_params(shape, tp, ep, tp if etp is None else etp)
         dense += moe_layers * (attention_params(shape, tp) + 2 * norm_params(shape) + d)
         expert = moe_layers * e
-    if rank == 0:
-        dense += embedding_params(shape, tp)
-    if rank == pp - 1:
-        dense += head_params(shape, tp, pp)
+    first, last = _ends(pp, rank, schedule)
+    dense += embedding_params(shape, tp) if first else 0
+    dense += head_params(shape, tp, pp) if last else 0
     return dense, expert
 
 
@@ -181,6 +188,7 @@ class Layout:
     comm_ep_bytes: float = 0.0   # the token dispatcher
     cp: int = 1                 # context parallel (the sequence split; DP x CP share the ZeRO states)
     comm_cp_bytes: float = 0.0   # the CP attention: the ring's K/V blocks or the all-to-alls
+    schedule: str | None = None  # --pipeline-schedule (None: 1f1b / interleaved-1f1b by VP)
 
     @property
     def comm_bytes(self) -> float:
@@ -213,6 +221,7 @@ class _Run:
     cp: int = 1
     act_bytes: int = 2          # A (the formulas count 2-byte activations; CP's extras are real bytes)
     scores: bool = True         # the attention keeps its a s^2 scores (unfused kernel); False: flash/fused
+    schedule: str | None = None  # the pipeline schedule (its in-flight bound and chunk placement)
 
 
 def _chunk_bytes(shape: GPTConfig, layers: list[int], run: _Run) -> tuple[float, float]:
@@ -233,17 +242,18 @@ def _chunk_bytes(shape: GPTConfig, layers: list[int], run: _Run) -> tuple[float,
 def _rank_activation_bytes(shape: GPTConfig, r: int, run: _Run) -> float:
     """Pipeline rank ``r``'s activations (2-byte units): its in-flight chunk-activations (the most
     loaded of its chunks), the embedding's dropout masks on the first, the output terms on the last."""
-    from megazero.pipeline.plan import in_flight_bound
+    from megazero.pipeline import in_flight_bound
     s, b, h, tp = run.s, run.b, shape.hidden_size, run.tp
-    layers = stage_layers(shape, run.pp, r, run.vp)
+    layers = stage_layers(shape, run.pp, r, run.vp, run.schedule)
     per = len(layers) // run.vp
     chunks = [_chunk_bytes(shape, layers[c * per:(c + 1) * per], run) for c in range(run.vp)]
     kept, transient = max(c[0] for c in chunks), max(c[1] for c in chunks)
-    k = in_flight_bound(run.pp, run.vp, run.m, r)
+    k = in_flight_bound(run.pp, run.vp, run.m, r, run.schedule)
     act = k * kept + transient
-    if r == 0:
+    first, last = _ends(run.pp, r, run.schedule)
+    if first:
         act += min(-(-k // run.vp), run.m) * s * b * h / (tp if run.sp else 1)
-    if r == run.pp - 1:
+    if last:
         act += 4 * s * b * h / tp + 4 * s * b * shape.padded_vocab(tp) / tp
     return act
 
@@ -262,7 +272,7 @@ def _communication(x: Layout, shape: GPTConfig, run: _Run, A: int, param_bytes: 
     s, b, h, tp, m = run.s, run.b, shape.hidden_size, run.tp, run.m
     x.comm_dp_bytes = _zero_comm(x.params - x.expert_params, x.dp * x.cp, x.zero, m, param_bytes, grad_bytes)
     x.comm_edp_bytes = _zero_comm(x.expert_params, x.edp, x.zero, m, param_bytes, grad_bytes)
-    layers = stage_layers(shape, run.pp, x.stage, run.vp)
+    layers = stage_layers(shape, run.pp, x.stage, run.vp, run.schedule)
     moe_layers = sum(shape.moe.is_moe(n) for n in layers) if shape.moe is not None else 0
     if tp > 1:
         per_layer = (6 if run.recompute == "full" else 4) * _ar(s * b * h * A, tp)
@@ -279,27 +289,28 @@ def estimate(shape: GPTConfig, tp: int, pp: int, dp: int, zero: int, *, micro_ba
              vp: int = 1, param_bytes: int = 2, grad_bytes: int = 2, sequence_parallel: bool = False,
              recompute: str | None = None, recompute_method: str | None = None,
              recompute_num_layers: int | None = None, gpu_memory_gb: float = 80.0, ep: int = 1,
-             etp: int | None = None, cp: int = 1, attention_scores: bool = True) -> Layout:
+             etp: int | None = None, cp: int = 1, attention_scores: bool = True, schedule: str | None = None) -> Layout:
     """Memory and communication of one layout, at its most loaded pipeline stage. ``attention_scores``
     False: a flash/fused attention kernel keeps no ``5 a s^2 b`` scores (the selective figure). MoE: ``ep``
     experts-parallel ranks, ``etp`` expert TP (None: TP); expert states over EDP = TP CP DP / (ETP EP).
     ``cp``: context-parallel ranks (``shape.cp_comm_type``), ``dp`` excluding them; ``ValueError``
-    unless they can split the sequence (:func:`~megazero.planner.cp_memory.check_cp_layout`)."""
+    unless they can split the sequence (:func:`~megazero.planner.cp_memory.check_cp_layout`). ``schedule``: the
+    pipeline schedule (``--pipeline-schedule``; its in-flight activations and, zbv/dualpipev, the V placement)."""
     check_cp_layout(shape, cp, tp, sequence_parallel)
     etp = tp if etp is None else etp
     edp = expert_data_parallel(tp, dp, ep, etp, cp)
     act_scale = 2 if param_bytes == 4 else 1  # the formulas count 2-byte activations
     run = _Run(shape.seq_length // cp, micro_batch_size, tp, pp, vp, micro_batches, sequence_parallel and tp > 1,
-               recompute, recompute_method, recompute_num_layers, etp, cp, 2 * act_scale, attention_scores)
+               recompute, recompute_method, recompute_num_layers, etp, cp, 2 * act_scale, attention_scores, schedule)
     best = None
     for r in range(pp):
-        dense, expert = stage_param_split(shape, tp, pp, r, vp, ep, etp)
+        dense, expert = stage_param_split(shape, tp, pp, r, vp, ep, etp, schedule)
         states = (model_state_bytes(dense, zero, dp * cp, param_bytes, grad_bytes)
                   + model_state_bytes(expert, zero, edp, param_bytes, grad_bytes))
         act = _rank_activation_bytes(shape, r, run) * act_scale
         if best is None or states + act > best.total_bytes:
             best = Layout(tp, pp, dp, zero, vp, micro_batches, r, dense + expert, states, act, states + act,
-                          ep=ep, etp=etp, edp=edp, expert_params=expert, cp=cp)
+                          ep=ep, etp=etp, edp=edp, expert_params=expert, cp=cp, schedule=schedule)
     _communication(best, shape, run, run.act_bytes, param_bytes, grad_bytes)
     best.fits = best.total_bytes <= gpu_memory_gb * GiB
     return best

@@ -11,17 +11,20 @@ def _fmt(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
-def format_table(ranked: list[Ranked], gpu_memory_gb: float, moe: bool = False, cp: bool = False) -> str:
+def format_table(ranked: list[Ranked], gpu_memory_gb: float, moe: bool = False, cp: bool = False,
+                 schedules: bool = False) -> str:
     """The table, one row per ranked layout with its estimated ``s/step``; ``moe`` adds the expert grid (EP, ETP, EDP), the experts' share of ``params/rank``
     and the EDP and EP (dispatcher) parts of the communication; ``cp`` the CP column and the CP
-    attention's part (``dp`` is then the gradients' over DP x CP)."""
+    attention's part (``dp`` is then the gradients' over DP x CP); ``schedules`` the pipeline schedule
+    column (``--pipeline-schedule`` / ``--try-pipeline-schedules``; ``-``: 1F1B or interleaved 1F1B)."""
     parts = ["dp", "tp", "pp"] + (["edp", "ep"] if moe else []) + (["cp"] if cp else [])
     grid = f" {'EP':>3} {'ETP':>3} {'EDP':>4}" if moe else ""
     head = (f"{'TP':>3} {'PP':>3} {'VP':>3} " + (f"{'CP':>3} " if cp else "") + f"{'DP':>4} {'ZeRO':>4}{grid} "
             f"{'M':>4} {'stage':>5} {'params/rank':>13} " + (f"{'experts':>13} " if moe else "")
             + f"{'states':>8} {'activ.':>8} {'total':>8} {'comm/step':>9} "
             + " ".join(f"{('(' if i == 0 else '') + n + (')' if i == len(parts) - 1 else ''):>8}"
-                       for i, n in enumerate(parts)) + f"  fits {gpu_memory_gb:g} GiB {'s/step':>8}")
+                       for i, n in enumerate(parts)) + f"  fits {gpu_memory_gb:g} GiB {'s/step':>8}"
+            + (f" {'schedule':>16}" if schedules else ""))
     rows = [head, "-" * len(head)]
     for r in ranked:
         x = r.layout
@@ -31,7 +34,8 @@ def format_table(ranked: list[Ranked], gpu_memory_gb: float, moe: bool = False, 
                     f"{x.params:>13,} " + (f"{x.expert_params:>13,} " if moe else "")
                     + f"{_fmt(x.model_state_bytes)} {_fmt(x.activation_bytes)} {_fmt(x.total_bytes)} "
                     f"{_fmt(x.comm_bytes):>9} " + " ".join(_fmt(getattr(x, f"comm_{n}_bytes")) for n in parts)
-                    + f"  {'yes' if x.fits else '-':>3} {' ' * len(f'{gpu_memory_gb:g}')}     {r.time.total:8.2f}")
+                    + f"  {'yes' if x.fits else '-':>3} {' ' * len(f'{gpu_memory_gb:g}')}     {r.time.total:8.2f}"
+                    + (f" {x.schedule or '-':>16}" if schedules else ""))
     return "\n".join(rows)
 
 

@@ -9,7 +9,9 @@ unless tied to the output layer; learned positions never) plus ``12 L s (a d)`` 
 Full recompute adds a forward of the recomputed layers (``x 4/3`` when every layer is), selective
 recompute the attention's forward scores again (``4 L s (a d)`` per token).
 
-**Pipeline bubble**: ``(PP - 1) / (VP M)`` of the compute time (1F1B, interleaved with VP chunks).
+**Pipeline bubble**: ``(PP - 1) / (VP M)`` of the compute time (1F1B, interleaved with VP chunks);
+with a zero-bubble ``--pipeline-schedule`` its simulated share at F = B = W
+(:func:`megazero.pipeline.theoretical_bubble`: ZB-H1 ``(PP - 1) / (3 M)``, ZBV ``(PP - 1) / (6 M)``, ...).
 
 **Communication**: each part of :class:`~megazero.planner.memory.Layout`'s bytes (what one rank sends)
 over the bandwidth of its group: NVLink when the group lies inside one node, the GPU's network link
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megazero.model.config import GPTConfig
+from megazero.pipeline import theoretical_bubble
 from megazero.planner.memory import GiB, Layout, active_params, embedding_params
 
 from .presets import GPU
@@ -91,7 +94,7 @@ def step_time(shape: GPTConfig, x: Layout, gpu: GPU, micro_batch_size: int, mfu:
     tokens = x.micro_batches * micro_batch_size * x.dp * shape.seq_length
     frac = recomputed_fraction(shape, x, method, num_layers)
     compute = flops_per_token(shape, recompute, frac) * tokens / world / (gpu.peak_tflops * 1e12 * mfu)
-    bubble = compute * (x.pp - 1) / (x.vp * x.micro_batches)
+    bubble = compute * theoretical_bubble(x.pp, x.vp, x.micro_batches, x.schedule)
     links = _links(x, gpu.gpus_per_node)
     comm = {k: getattr(x, f"comm_{k}_bytes") / gpu.bandwidth(links[k] == "nvlink") for k in PARTS}
     return StepTime(compute, bubble, comm, links, mfu)
@@ -114,6 +117,7 @@ def rank(layouts: list[Layout], times: list[StepTime]) -> list[Ranked]:
 def name(x: Layout) -> str:
     """``TP1 PP1 DP8 ZeRO-1`` (VP, CP, EP when used)."""
     return " ".join([f"TP{x.tp}", f"PP{x.pp}"] + ([f"VP{x.vp}"] if x.vp > 1 else [])
+                    + ([x.schedule] if x.schedule else [])
                     + ([f"CP{x.cp}"] if x.cp > 1 else []) + [f"DP{x.dp}"] + ([f"EP{x.ep}"] if x.ep > 1 else [])
                     + [f"ZeRO-{x.zero}"])
 

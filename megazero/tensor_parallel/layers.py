@@ -29,6 +29,10 @@ value it would have drawn (fp32, CPU, TP-local). :func:`param_initializer` colle
 model, so ZeRO-3 can materialize one unit at a time straight into this rank's shard with the same
 bits as an eager build (``init()`` is exactly what the eager build casts to ``params_dtype``).
 
+Split backward (:mod:`.weight_grad_store`): every layer here has a ``weight_grad_store``
+(None until ``WeightGradStore.attach``); while that store defers, the weight's gradient is
+computed at the schedule's ``W`` instead of in the backward (the bias's stays in the backward).
+
 Each layer converts its parameters between the full tensor and this rank's slice
 (:meth:`full_to_local`, :meth:`local_to_full`, the latter a collective over the TP group); a
 replicated parameter is its own full tensor. Replicated parameters that see sequence-split
@@ -43,7 +47,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .spec import to_full, to_local, tp_split, unshard
@@ -162,6 +165,7 @@ class ColumnParallelLinear(TPLayer):
         device = default_device(tp_group) if device is None else device
         self.param_inits = {}
         self.weight_grad_sink = None  # gradient accumulation fusion: accumulate_weight_grad_into
+        self.weight_grad_store = None  # split backward: WeightGradStore.attach (.weight_grad_store)
         shape = (out_features, in_features)
         if create_weight:
             self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, real_out_features),
@@ -185,7 +189,7 @@ class ColumnParallelLinear(TPLayer):
         else:
             x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = fused_linear(x, weight, bias, self.weight_grad_sink)
+        y = fused_linear(x, weight, bias, self.weight_grad_sink, self.weight_grad_store)
         if not self.gather_output:
             return (y, self.bias) if self.skip_bias_add else y
         y = gather_from_tp_region(y, self.tp_group)
@@ -214,6 +218,7 @@ class RowParallelLinear(TPLayer):
         self.partitions = {"weight": (1, None, None)}
         device = default_device(tp_group) if device is None else device
         self.param_inits = {}
+        self.weight_grad_store = None  # split backward: WeightGradStore.attach (.weight_grad_store)
         shape = (out_features, in_features)
         self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, None), params_dtype, device)
         if bias:
@@ -229,7 +234,7 @@ class RowParallelLinear(TPLayer):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = fused_linear(x, self.weight, None, None, self.weight_grad_store)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -269,6 +274,7 @@ class VocabParallelEmbedding(TPLayer):
         device = default_device(tp_group) if device is None else device
         self.param_inits = {}
         self.weight_grad_sink = None  # gradient accumulation fusion: accumulate_weight_grad_into
+        self.weight_grad_store = None  # split backward: WeightGradStore.attach (.weight_grad_store)
         shape = (num_embeddings, embedding_dim)
         self.weight = self._make("weight", shape, lambda: _full_weight(shape, init_method, self.vocab_size),
                                  params_dtype, device)
@@ -280,10 +286,10 @@ class VocabParallelEmbedding(TPLayer):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.p == 1:
-            return fused_embedding(ids, self.weight, self.weight_grad_sink)
+            return fused_embedding(ids, self.weight, self.weight_grad_sink, self.weight_grad_store)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = fused_embedding(local, self.weight, self.weight_grad_sink).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = fused_embedding(local, self.weight, self.weight_grad_sink, self.weight_grad_store).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tp_region(out, self.tp_group)

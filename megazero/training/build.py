@@ -86,7 +86,8 @@ def build_configs(args) -> RunConfig:
     it trains and saves with its own tokenizer. The vocabulary size is the tokenizer's
     (``--vocab-size`` with mock data). A model-defining flag that differs from what that
     checkpoint recorded (:data:`~megazero.model.saved_args.MODEL_KEYS`) is refused here, naming
-    every difference, before any work."""
+    every difference, before any work; so is a pipeline schedule whose plans the simulator rejects
+    (:func:`megazero.pipeline.check_plans`)."""
     saved = latest_saved_args(args.load) if args.load else None
     if args.tokenizer_type is None and saved is not None:
         flags = saved_tokenizer_flags(saved, args.load)
@@ -95,6 +96,10 @@ def build_configs(args) -> RunConfig:
     diffs = model_arg_diffs(saved, config.model.to_args()) if saved else []
     if diffs:  # before any process group: every rank refuses alike
         raise CheckpointError(model_mismatch_message(f"--load {args.load}", diffs))
+    par = config.parallel
+    if par.pp > 1:  # every rank's pipeline plan through the simulator (deadlock, order, memory) before any group
+        from megazero.pipeline import check_plans
+        check_plans(par.pp, par.vp or 1, config.schedule.num_micro_batches, par.pipeline_schedule)
     return config
 
 
@@ -154,7 +159,8 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
         raise RuntimeError(f"launched with {launch.world_size} ranks but the arguments were validated for "
                            f"{par.world_size}")
     topo = Topology(par.world_size, launch.rank, tp=par.tp, pp=par.pp, vp=par.vp or 1, cp=par.cp,    # 3
-                    ep=par.ep, etp=par.etp).create_groups(timeout=timedelta(minutes=par.timeout_minutes))  # no wait forever
+                    ep=par.ep, etp=par.etp, pipeline_schedule=par.pipeline_schedule,
+                    ).create_groups(timeout=timedelta(minutes=par.timeout_minutes))  # no wait forever
     seed_host_generators(config.seed + 100 * topo.pp_rank)                                          # 4
     datasets = build_datasets(config.data, config.schedule, config.model.vocab_size)                 # 5
     stages = build_model(config, topo, model_provider or gpt_stages, device)                         # 6

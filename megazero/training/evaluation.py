@@ -9,21 +9,30 @@ import torch.distributed as dist
 
 
 class TrainerEvaluation:
-    """Evaluation methods of the Trainer (they read its ``config.schedule``, ``topo``, ``chunks``, ``runner``,
-    ``forward_step``, ``optimizer.host``, the datasets, ``_source`` and ``_local_loss``)."""
+    """Evaluation methods of the Trainer (they read its ``config.schedule``, ``topo``, ``device``, ``chunks``,
+    ``runner``, ``forward_step``, ``optimizer.host``, the datasets, ``_source`` and ``_local_loss``)."""
 
     def _dp_mean(self, step_losses: list) -> float | None:
         """Mean of several steps' local losses, averaged over the DP x CP group (a CP rank's loss
         is its share of the sequence's token mean, times CP): one all-reduce and one host read per
         log interval (or evaluation), on the last stage only. Every DP rank holds the same number
-        of steps (skipped steps are skipped everywhere)."""
-        if not self.topo.is_last_stage or not step_losses:
+        of steps (skipped steps are skipped everywhere). With the V of ``--pipeline-schedule``
+        zbv/dualpipev the loss is on pipeline rank 0 while the last rank prints it: one more
+        all-reduce over the pipeline group brings it there (every rank calls this)."""
+        v = self.topo.pp > 1 and getattr(self.topo, "pipeline_schedule", None) in ("zbv", "dualpipev")
+        if not v and (not self.topo.is_last_stage or not step_losses):
             return None
-        total = torch.stack(step_losses).mean()
-        if self.topo.dp_cp > 1:
-            dist.all_reduce(total, group=self.topo.dp_cp_group)
-            total /= self.topo.dp_cp
-        return self.optimizer.host.read(total)[0]
+        total = None
+        if self.topo.is_last_stage and step_losses:
+            total = torch.stack(step_losses).mean()
+            if self.topo.dp_cp > 1:
+                dist.all_reduce(total, group=self.topo.dp_cp_group)
+                total /= self.topo.dp_cp
+        if v:
+            moved = total if total is not None else torch.zeros((), device=self.device)
+            dist.all_reduce(moved, group=self.topo.pp_group)
+            total = moved if self.topo.pp_rank in (0, self.topo.pp - 1) else None
+        return None if total is None else self.optimizer.host.read(total)[0]
 
     def evaluate(self, dataset=None, start: int | None = None) -> float | None:
         """Mean loss over ``--eval-iters`` global batches of ``dataset`` (default: the validation

@@ -133,7 +133,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
             moe.set_aux_scale(self.optimizer.loss_scale / len(micro_batches))
         with attention_backend(self.config.attention_backend, self.device):
             losses = self.runner.run(self.chunks, micro_batches, self._forward,
-                                     grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace)
+                                     grad_scale=self.optimizer.loss_scale, forward_only=False, trace=trace,
+                                     weight_grad_stores=self.stages.weight_grad_stores)
         if moe is not None:
             self.moe_log.after_step(len(micro_batches))
         if trace is not None:

@@ -76,10 +76,10 @@ def toy_batches(m, b, s, vocab, seed=0):
     return out
 
 
-def toy_chunks(vocab, hidden, layers, pp, vp, pp_rank, tied, seed=0):
+def toy_chunks(vocab, hidden, layers, pp, vp, pp_rank, tied, seed=0, placement="loop"):
     from megazero.pipeline import chunk_layer_ranges, chunk_roles
-    return [ToyChunk(vocab, hidden, a, b, pre, post, tied, seed)
-            for (a, b), (pre, post) in zip(chunk_layer_ranges(layers, pp, vp, pp_rank), chunk_roles(pp, vp, pp_rank))]
+    ranges, roles = chunk_layer_ranges(layers, pp, vp, pp_rank, placement), chunk_roles(pp, vp, pp_rank, placement)
+    return [ToyChunk(vocab, hidden, a, b, pre, post, tied, seed) for (a, b), (pre, post) in zip(ranges, roles)]
 
 
 def toy_shared(chunks, topo) -> list:
