@@ -37,6 +37,7 @@ from megazero.config.domains import check_domains
 from megazero.config.reliability_flags import check_reliability, derive_reliability
 from megazero.config.run_checks import check_required, check_run, check_sample_counts
 from megazero.config.rank import current_rank
+from megazero.model.config import checked_window
 
 
 def resolve_aliases(args) -> None:
@@ -160,6 +161,10 @@ def _validate_model(err, args) -> None:
             and args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings):
         err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings} "
             "with learned absolute positions")
+    try:
+        checked_window(args.window_size)  # --window-size (left, right): causal, left >= -1
+    except ValueError as e:
+        err(str(e))
     if args.recompute_method is not None and args.recompute_granularity != "full":
         err("--recompute-method needs --recompute-granularity full")
     if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:

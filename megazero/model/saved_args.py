@@ -5,7 +5,9 @@
   shapes (:data:`~megazero.model.config.SHAPE_KEYS`): the activation (``openai_gelu``: tanh GELU,
   ``swiglu``), the normalization and its epsilon and ``apply_layernorm_1p``, the positions and the
   rotary base, the biases (``add_bias_linear``, ``add_qkv_bias``), the tying of the output layer,
-  the query groups (GQA), and the MoE router's choices. A load compares them
+  the query groups (GQA), QK normalization (``qk_layernorm``, a shape key: its weights) and the
+  sliding window (``window_size``, recorded as a ``[left, right]`` list), and the MoE router's
+  choices. A load compares them
   (:func:`model_arg_diffs`) and refuses any difference: a flag left at its default that the
   checkpoint recorded otherwise (an imported GPT-2 without ``--openai-gelu``) would otherwise
   train another function silently.
@@ -14,7 +16,8 @@
   takes the first list from the checkpoint only where the command line left the value None, the
   second always (``force=True``). megazero has no ``squared_relu``, ``rotary_percent``,
   ``spec``, Mamba or hybrid arguments, so they are not listed; it adds the model arguments its
-  checkpoints record and Megatron's list lacks (``openai_gelu``, ``norm_epsilon``), since the
+  checkpoints record and Megatron's list lacks (``openai_gelu``, ``norm_epsilon``, ``qk_layernorm``,
+  ``window_size``), since the
   load refuses a difference in them.
 * ``add_qkv_bias`` is recorded as the QKV layer has it (``add_bias_linear or add_qkv_bias``),
   as Megatron-LM's ``validate_args`` sets it under ``add_bias_linear`` before saving
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 from .config import SHAPE_KEYS
 
-MODEL_KEYS = SHAPE_KEYS + ("openai_gelu", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "moe_router_topk",
+MODEL_KEYS = SHAPE_KEYS + ("openai_gelu", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "window_size",
+                           "moe_router_topk",
                            "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                            "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias")
 
@@ -39,7 +43,7 @@ CHECKPOINT_ARGS_FORCED = ("num_query_groups", "group_query_attention", "position
                           "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
                           "moe_shared_expert_intermediate_size", "moe_router_score_function",
                           "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "openai_gelu",
-                          "norm_epsilon")
+                          "norm_epsilon", "qk_layernorm", "window_size")
 
 # Arguments whose flag is not ``--`` + the name with dashes (values are shown as the name's).
 _FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear (add_bias_linear)",
