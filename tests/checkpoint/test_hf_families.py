@@ -149,3 +149,23 @@ def test_export_refuses_what_the_architecture_cannot_hold():
         hf_config_of(replace_config(moe, moe=replace_config(moe.moe, shared_expert_intermediate_size=16)), "qwen3_moe")
     with pytest.raises(ValueError, match="--window-size"):
         hf_config_of(replace_config(moe, window_size=(3, 0)), "qwen2_moe")
+
+
+def test_qwen3_30b_a3b_config_maps_to_128_experts_top_8_and_the_planner_counts_it():
+    """Qwen3-30B-A3B's config.json (its model card: 30.5B parameters, 3.3B activated; the planner
+    counts 30.53B and 3.35B): 128 experts, top-8 renormalized (norm_topk_prob), no shared expert,
+    every layer MoE, QK-norm."""
+    from megazero.planner import memory
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+           "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+           "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+           "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+           "use_sliding_window": False, "vocab_size": 151936}
+    c = config_from_hf(cfg, make_vocab_size_divisible_by=1)
+    assert (c.moe.num_experts, c.moe.router_topk, c.moe.pre_softmax, c.moe.shared_expert_intermediate_size) == (
+        128, 8, False, None)
+    assert c.qk_layernorm and c.window_size is None and all(c.moe.layer_pattern) and c.kv_channels == 128
+    assert round(memory.total_params(c) / 1e9, 1) == 30.5 and round(memory.active_params(c) / 1e9, 2) == 3.35
+    assert hf_config_of(c, "qwen3_moe")["num_experts"] == 128
