@@ -92,9 +92,9 @@ def window_keys(config, arch: str) -> dict:
 def family_config(config, arch: str, llama: dict) -> dict:
     """The ``config.json`` of a dense Qwen3 or Mistral :class:`GPTConfig` from its Llama-style part
     (RoPE, RMSNorm, SwiGLU already checked), refusing biases these architectures lack."""
-    bad = ["no biases (--disable-bias-linear, no --add-qkv-bias)"] if config.qkv_bias else []
-    if bad:
-        raise ValueError(f"{FAMILY_ARCHS[arch]} export needs: {', '.join(bad)}")
-    out = {k: v for k, v in llama.items() if k not in ("mlp_bias",) + (("attention_bias",) if arch == "mistral" else ())}
+    if config.qkv_bias:
+        raise ValueError(f"{FAMILY_ARCHS[arch]} export needs: no biases (--disable-bias-linear, no --add-qkv-bias)")
+    dropped = ("mlp_bias", "attention_bias") if arch == "mistral" else ("mlp_bias",)  # Qwen3 has attention_bias
+    out = {k: v for k, v in llama.items() if k not in dropped}
     out.update(architectures=[FAMILY_ARCHS[arch]], model_type=arch, **window_keys(config, arch))
     return out
