@@ -244,9 +244,10 @@ def _validate_features(err, args) -> None:
         err(f"{', '.join(per_split)} without --train-data-path: training needs a train split")
     if args.decoupled_lr is not None and args.deepspeed_scheduler:
         err("--decoupled-lr with a --deepspeed-config scheduler block is not available: drop one of them")
-    if args.reset_attention_mask and (args.use_flash_attn or args.attention_backend == "flash"):
-        err("--reset-attention-mask with the flash backend is not available (SDPA's flash kernel takes no "
-            "mask): use --attention-backend fused (memory-efficient, takes the per-document mask) or auto")
+    for flag, on in (("--reset-attention-mask", args.reset_attention_mask), ("--window-size", bool(args.window_size) and args.window_size[0] != -1)):
+        if on and (args.use_flash_attn or args.attention_backend == "flash"):
+            err(f"{flag} with the flash backend is not available (SDPA's flash kernel takes no mask): use "
+                "--attention-backend fused (memory-efficient, takes the mask) or auto")
     if args.eod_mask_loss and args.calculate_per_token_loss:
         err("--calculate-per-token-loss with --eod-mask-loss is not available: megazero averages the loss per "
             "micro-batch (Megatron without --calculate-per-token-loss); drop --calculate-per-token-loss")

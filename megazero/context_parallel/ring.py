@@ -38,7 +38,8 @@ of ``src``), so every block runs the explicit kernel with the mask ``0 <= i - j 
 those positions (the fused kernels take only a causal flag). A row with no key of the block in
 its window gets ``o_b = 0``, ``lse_b = -inf``, which the merge leaves out (``exp(-inf) = 0``); every
 row sees at least itself in the rank's own block (step 0), so the final ``lse`` is finite and the
-backward's ``P = exp(S - lse)`` is 0 exactly where the mask is.
+backward's ``P = exp(S - lse)`` is 0 exactly where the mask is. A block whose keys are all more
+than ``window`` before its first query is skipped in both directions (its K/V still travel on).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .chunks import positions_for_rank
+from .chunks import chunk_ids, positions_for_rank
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype: fp32, or the input's when wider (fp64 tests)."""
@@ -93,12 +94,21 @@ class _Ring:
 
 def _mask(ring, src: int, rq: slice, rk: slice, causal: bool, L: int, device):
     """A block's mask argument for the kernel: ``causal`` without a window; with one, the
-    ``(query positions, key positions, window)`` of the block's rows (module doc)."""
+    ``(query positions, key positions, window)`` of the block's rows (module doc), or None when
+    the block is wholly outside the window (skipped: exactly what its ``lse = -inf`` would add)."""
     window = getattr(ring, "window", None)
     if window is None:
         return causal
+    if _span(ring.cp, ring.rank, rq, L)[0] - _span(ring.cp, src, rk, L)[1] > window:
+        return None  # every key of the block is out of every row's window: nothing to compute
     q_pos = positions_for_rank(2 * L, ring.cp, ring.rank, device)[rq]
     return q_pos, positions_for_rank(2 * L, ring.cp, src, device)[rk], window
+
+
+def _span(cp: int, rank: int, rows: slice, L: int) -> tuple[int, int]:
+    """(first, last) true position of a chunk-aligned ``rows`` slice of rank ``rank``'s tokens."""
+    chunks = chunk_ids(cp, rank)[rows.start // L:rows.stop // L]
+    return min(chunks) * L, max(chunks) * L + L - 1
 
 
 def _expand(t, rep):
@@ -226,13 +236,15 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.cp
             nxt, wait = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
             rq, rk, causal = _block(ring.cp, ring.rank, src, L)
-            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
-            o_b, lse_b = kernel.forward(qw[:, :, rq], ke, ve, _mask(ring, src, rq, rk, causal, L, q.device), scale)
-            if o is None:  # step 0: the rank's own block covers every query row
-                o, lse = o_b.to(acc), lse_b.to(acc).contiguous()
-            else:
-                _merge(o[:, :, rq], lse[:, :, rq], o_b, lse_b)
-            del o_b, lse_b, ke, ve
+            mask = _mask(ring, src, rq, rk, causal, L, q.device)
+            if mask is not None:
+                ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+                o_b, lse_b = kernel.forward(qw[:, :, rq], ke, ve, mask, scale)
+                if o is None:  # step 0: the rank's own block covers every query row
+                    o, lse = o_b.to(acc), lse_b.to(acc).contiguous()
+                else:
+                    _merge(o[:, :, rq], lse[:, :, rq], o_b, lse_b)
+                del o_b, lse_b, ke, ve
             if wait is not None:
                 wait()
                 kv = tuple(nxt)
@@ -254,14 +266,15 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.cp
             nxt, wait_kv = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
             rq, rk, causal = _block(ring.cp, ring.rank, src, L)
-            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
-            dq_b, dk_b, dv_b = kernel.backward(dow[:, :, rq], qw[:, :, rq], ke, ve, ow[:, :, rq],
-                                               lse[:, :, rq].contiguous(),
-                                               _mask(ring, src, rq, rk, causal, L, q.device), scale)
-            dq[:, :, rq] += dq_b
-            grads[0][:, :, rk] += _fold(dk_b, rep, acc)
-            grads[1][:, :, rk] += _fold(dv_b, rep, acc)
-            del dq_b, dk_b, dv_b, ke, ve
+            mask = _mask(ring, src, rq, rk, causal, L, q.device)
+            if mask is not None:
+                ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+                dq_b, dk_b, dv_b = kernel.backward(dow[:, :, rq], qw[:, :, rq], ke, ve, ow[:, :, rq],
+                                                   lse[:, :, rq].contiguous(), mask, scale)
+                dq[:, :, rq] += dq_b
+                grads[0][:, :, rk] += _fold(dk_b, rep, acc)
+                grads[1][:, :, rk] += _fold(dv_b, rep, acc)
+                del dq_b, dk_b, dv_b, ke, ve
             grads, wait_grads = ring.shift(grads)
             wait_grads()
             if wait_kv is not None:

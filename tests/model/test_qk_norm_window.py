@@ -66,7 +66,8 @@ def test_flags_as_megatron_and_refusals(capsys):
     assert checked_window([7, 0]) == (7, 0) and checked_window((-1, 0)) is None
     for bad, line in ((["--window-size", "4,1"], "--window-size 4,1: megazero's GPT attention is causal"),
                       (["--window-size", "4"], "argument --window-size: expected two integers"),
-                      (["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm")):
+                      (["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm"),
+                      (["--window-size", "4,0", "--use-flash-attn"], "--window-size with the flash backend")):
         with pytest.raises(SystemExit):
             parse_args(BASE + bad, world_size=1)
         assert line in capsys.readouterr().err
