@@ -99,11 +99,14 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
     else:
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"unsupported RoPE scaling {rope}")
+            key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+            raise ValueError(f"config {key} rope_type={rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE "
+                             "has no scaling (only rope_type 'default' converts)")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation hidden_act={c.get('hidden_act')!r} (SwiGLU needs silu)")
         if bool(c.get("attention_bias", False)) != bool(c.get("mlp_bias", False)):
-            raise ValueError("attention_bias and mlp_bias must agree (one add_bias_linear flag)")
+            raise ValueError(f"config attention_bias={c.get('attention_bias', False)!r} with mlp_bias="
+                             f"{c.get('mlp_bias', False)!r}: they must agree (one --disable-bias-linear flag)")
         heads = c["num_attention_heads"]
         kw = dict(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=heads,
                   num_query_groups=c.get("num_key_value_heads") or heads,
