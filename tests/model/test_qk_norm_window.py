@@ -21,16 +21,22 @@ def _config(**kw):
     return GPTConfig(**dict(base, **kw))
 
 
-@pytest.mark.parametrize("left", [0, 1, 4, 11])
-def test_window_mask_against_a_loop(left):
+@pytest.mark.parametrize("left,doc", [(0, None), (1, None), (4, None), (11, None), (4, 5)])
+def test_window_mask_against_a_loop(left, doc):
+    """``doc``: a --reset-attention-mask document boundary (documents 0..doc-1 and doc..11)."""
     att = Attention(_config(window_size=(left, 0)), 0, None, None, None).eval()
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 12, 8, generator=g, dtype=torch.float64) for _ in range(3))
     k, v = k[:, ::2].contiguous(), v[:, ::2].contiguous()  # 2 groups for 4 heads
-    got = att.core_attention(q, k, v)
+    mask = None
+    if doc is not None:  # Megatron's convention: True = not attended (causal and per document)
+        i, j = torch.arange(12).unsqueeze(1), torch.arange(12).unsqueeze(0)
+        mask = ((j > i) | ((i >= doc) & (j < doc))).expand(2, 1, 12, 12)
+    got = att.core_attention(q, k, v, mask)
     ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     for i in range(12):
         lo = max(0, i - left)  # keys i - left .. i: HF Mistral's i - W < j <= i with W = left + 1
+        lo = max(lo, doc) if doc is not None and i >= doc else lo
         p = torch.softmax(q[:, :, i:i + 1] @ ke[:, :, lo:i + 1].transpose(-1, -2) / 8 ** 0.5, -1)
         torch.testing.assert_close(got[:, :, i:i + 1], p @ ve[:, :, lo:i + 1])
 
