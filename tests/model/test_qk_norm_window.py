@@ -48,8 +48,11 @@ def test_window_as_long_as_the_sequence_is_plain_causal_and_qk_norm_changes_the_
     narrow = GPTModel(_config(window_size=(3, 0))).eval()
     assert (narrow(tokens) - plain(tokens)).abs().max() > 1e-3
     qk = GPTModel(_config(qk_layernorm=True)).eval()
-    assert {n for n, _ in qk.named_parameters()} - {n for n, _ in plain.named_parameters()} == {
-        f"layers.{i}.attention.{x}_norm.weight" for i in range(2) for x in "qk"}
+    new = {n for n, _ in qk.named_parameters()} - {n for n, _ in plain.named_parameters()}
+    assert new == {f"layers.{i}.attention.{x}_norm.weight" for i in range(2) for x in "qk"}
+    from megazero.tensor_parallel.spec import tp_duplicated_params  # replicated: the grad norm counts them once
+    dup = {id(p) for p in tp_duplicated_params([qk], 2)}
+    assert all(id(p) in dup for n, p in qk.named_parameters() if n in new)
 
 
 @pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
