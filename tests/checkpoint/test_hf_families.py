@@ -149,6 +149,10 @@ def test_export_refuses_what_the_architecture_cannot_hold():
         hf_config_of(replace_config(moe, moe=replace_config(moe.moe, shared_expert_intermediate_size=16)), "qwen3_moe")
     with pytest.raises(ValueError, match="--window-size"):
         hf_config_of(replace_config(moe, window_size=(3, 0)), "qwen2_moe")
+    mla = replace_config(q3, window_size=None, num_query_groups=4, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8,
+                         qk_pos_emb_head_dim=4, v_head_dim=8)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM export needs: standard attention"):
+        hf_config_of(mla, "qwen3")
 
 
 def test_qwen3_30b_a3b_config_maps_to_128_experts_top_8_and_the_planner_counts_it():

@@ -66,6 +66,8 @@ def attention_fields(c: dict, arch: str, num_layers: int) -> dict:
 
 def export_problems(config, arch: str) -> list[str]:
     """What ``arch``'s HF config cannot express of a :class:`GPTConfig`'s attention extras."""
+    if getattr(config, "multi_latent_attention", False):
+        return ["standard attention (a multi-latent-attention model is not a GPT-2/Llama/Qwen/Mistral one)"]
     bad = []
     if config.qk_layernorm != (arch in QK_NORM_ARCHS):
         bad.append("--qk-layernorm (export as qwen3 / qwen3_moe)" if arch not in QK_NORM_ARCHS else
