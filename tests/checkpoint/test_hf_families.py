@@ -110,7 +110,8 @@ def test_fields_arch_and_exported_config_rebuilds_the_model(make, arch, window, 
     hf = make()
     config = config_from_hf(hf.config.to_dict())
     assert (config.window_size, config.qk_layernorm, arch_of_config(config)) == (window, qk, arch)
-    assert arch_of(hf.config.to_dict()) == arch and (arch not in ("qwen3", "qwen3_moe") or arch_of(hf.state_dict()) == arch)
+    assert arch_of(hf.config.to_dict()) == arch
+    assert arch not in ("qwen3", "qwen3_moe") or arch_of(hf.state_dict()) == arch  # told by q_norm
     again = type(hf)(type(hf.config)(**hf_config_of(config, arch))).eval()
     again.load_state_dict(hf.state_dict())
     ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
@@ -149,8 +150,8 @@ def test_export_refuses_what_the_architecture_cannot_hold():
         hf_config_of(replace_config(moe, moe=replace_config(moe.moe, shared_expert_intermediate_size=16)), "qwen3_moe")
     with pytest.raises(ValueError, match="--window-size"):
         hf_config_of(replace_config(moe, window_size=(3, 0)), "qwen2_moe")
-    mla = replace_config(q3, window_size=None, num_query_groups=4, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8,
-                         qk_pos_emb_head_dim=4, v_head_dim=8)
+    mla = replace_config(q3, window_size=None, num_query_groups=4, multi_latent_attention=True, kv_lora_rank=16,
+                         qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM export needs: standard attention"):
         hf_config_of(mla, "qwen3")
 
