@@ -124,7 +124,8 @@ class Attention(nn.Module):
         query may NOT attend to a key; it already holds the causal part, e.g. the block-diagonal
         per-document mask of ``--reset-attention-mask``) replaces the plain causal mask."""
         p_drop, left = self.config.attention_dropout, self.config.window_left
-        if left is not None:  # sliding window: the allowed keys (and the document mask's) as one mask
+        if left is not None and left < q.shape[-2] - 1:  # a window shorter than the sequence (with any
+            # document mask): one mask; a longer window is the plain causal mask
             pos = torch.arange(q.shape[-2], device=q.device)
             outside = ~window_mask(pos, pos, left)
             attention_mask = outside if attention_mask is None else attention_mask | outside
