@@ -4,7 +4,7 @@ Hugging Face folders back to a megazero checkpoint.  One process, no torch.distr
 
     python tools/convert_checkpoint.py to-fp32 --load DIR [--iteration N] --output model_fp32.pt
     python tools/convert_checkpoint.py to-hf   --load DIR [--iteration N] --output HF_DIR
-                                               [--arch gpt2|llama|qwen2|mixtral|qwen2_moe]
+                                               [--arch gpt2|llama|qwen2|qwen3|mistral|mixtral|qwen2_moe|qwen3_moe]
                                                [--dtype float32|bfloat16|float16]
     python tools/convert_checkpoint.py from-hf --hf HF_DIR --save DIR [--iteration 0] [--dtype float32]
     python tools/convert_checkpoint.py from-megatron --load MEGATRON_DIR --save DIR [--iteration N]
@@ -16,9 +16,9 @@ only, tied output layer left out; written with ``torch.save``, loadable with ``w
 
 ``to-hf``: ``config.json`` + ``model.safetensors`` for ``GPT2LMHeadModel`` (learned positions,
 LayerNorm, GELU, biases, tied embeddings), ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU) or
-``Qwen2ForCausalLM`` (Llama's with a bias on the QKV projection only: ``--add-qkv-bias``), and
-for MoE models ``MixtralForCausalLM`` (every layer MoE, no shared expert) or
-``Qwen2MoeForCausalLM`` (a gated shared expert; dense layers as ``mlp_only_layers``), experts
+``Qwen2ForCausalLM`` (``--add-qkv-bias``), ``Qwen3ForCausalLM`` (``--qk-layernorm``) or ``MistralForCausalLM``
+(``--window-size``); MoE: ``MixtralForCausalLM`` (every layer MoE, no shared expert), ``Qwen2MoeForCausalLM`` (a
+gated shared expert; dense layers as ``mlp_only_layers``) or ``Qwen3MoeForCausalLM`` (no shared expert), experts
 under the Hub's per-expert names; the tensor mapping is :mod:`megazero.checkpoint.convert.hf`'s.  The checkpoint's tokenizer (recorded flags) is
 written as HF tokenizer files, so ``AutoTokenizer.from_pretrained(HF_DIR)`` loads it.
 
@@ -152,8 +152,10 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
     flags += [f for f, on in (("--swiglu", c.activation == "swiglu"), ("--openai-gelu", c.activation == "gelu_tanh"),
                               ("--disable-bias-linear", not c.add_bias_linear),
                               ("--add-qkv-bias", c.add_qkv_bias and not c.add_bias_linear),
-                              ("--apply-layernorm-1p", c.apply_layernorm_1p),
+                              ("--apply-layernorm-1p", c.apply_layernorm_1p), ("--qk-layernorm", c.qk_layernorm),
                               ("--untie-embeddings-and-output-weights", c.untie_embeddings_and_output_weights)) if on]
+    if c.window_size is not None:  # Megatron's tuple: HF's sliding_window W is (W - 1, 0)
+        flags.append(f"--window-size {c.window_size[0]},{c.window_size[1]}")
     if c.moe is not None:  # Megatron's MoE flags
         from megazero.checkpoint.convert.megatron_moe import moe_flags
         flags += moe_flags(c.moe)

@@ -39,6 +39,7 @@ from megazero.config.domains import check_domains
 from megazero.config.reliability_flags import check_reliability, derive_reliability
 from megazero.config.run_checks import check_required, check_run, check_sample_counts
 from megazero.config.rank import current_rank
+from megazero.model.config import checked_window
 
 
 def resolve_aliases(args) -> None:
@@ -170,6 +171,10 @@ def _validate_model(err, args) -> None:
             and args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings):
         err(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings} "
             "with learned absolute positions")
+    try:
+        checked_window(args.window_size)  # --window-size (left, right): causal, left >= -1
+    except ValueError as e:
+        err(str(e))
     if args.recompute_method is not None and args.recompute_granularity != "full":
         err("--recompute-method needs --recompute-granularity full")
     if args.recompute_granularity == "full" and args.recompute_method is not None and args.recompute_num_layers is None:
@@ -249,9 +254,10 @@ def _validate_features(err, args) -> None:
         err(f"{', '.join(per_split)} without --train-data-path: training needs a train split")
     if args.decoupled_lr is not None and args.deepspeed_scheduler:
         err("--decoupled-lr with a --deepspeed-config scheduler block is not available: drop one of them")
-    if args.reset_attention_mask and (args.use_flash_attn or args.attention_backend == "flash"):
-        err("--reset-attention-mask with the flash backend is not available (SDPA's flash kernel takes no "
-            "mask): use --attention-backend fused (memory-efficient, takes the per-document mask) or auto")
+    for flag, on in (("--reset-attention-mask", args.reset_attention_mask), ("--window-size", bool(args.window_size) and args.window_size[0] != -1)):
+        if on and (args.use_flash_attn or args.attention_backend == "flash"):
+            err(f"{flag} with the flash backend is not available (SDPA's flash kernel takes no mask): use "
+                "--attention-backend fused (memory-efficient, takes the mask) or auto")
     if args.eod_mask_loss and args.calculate_per_token_loss:
         err("--calculate-per-token-loss with --eod-mask-loss is not available: megazero averages the loss per "
             "micro-batch (Megatron without --calculate-per-token-loss); drop --calculate-per-token-loss")

@@ -33,6 +33,15 @@ def int_like(text: str) -> int:
     return int(value)
 
 
+def int_pair(text: str) -> tuple[int, int]:
+    """``"4095,0"`` or ``"(4095,0)"`` -> ``(4095, 0)`` (Megatron-LM's ``tuple_type`` for ``--window-size``)."""
+    try:
+        left, right = (int(x) for x in text.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers left,right (e.g. 4095,0), got {text!r}")
+    return left, right
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The network's shape, regularization and initialization (Megatron's names)."""
     g = p.add_argument_group("network size")
@@ -63,6 +72,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias on the QKV projection only (Qwen2); implied by biases on every linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a --normalization norm of each head's queries and keys before RoPE (Qwen3)")
+    g.add_argument("--window-size", type=int_pair, default=None,
+                   help="sliding-window attention (left,right), Megatron's tuple: W-1,0 = Mistral's window W")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
     g = p.add_argument_group("regularization")

@@ -26,6 +26,8 @@ PEER_CHECKED.update({
                              "megazero's exact (a start-up WARNING says so and names --openai-gelu); "
                              "from-megatron honours it",
 })
+PEER_CHECKED.update({name: "megatron-core 0.16.1: logits at TP 1/2 x PP 1/2 and AdamW losses "
+                           "(tests/peers/test_megatron_qk_window.py)" for name in ("--qk-layernorm", "--window-size")})
 PEER_CHECKED.update({"--lr": "megatron-core 0.16.1: AdamW losses (tests/peers/test_megatron_checkpoints.py)",
                      "--data-path": "megatron-core 0.16.1: IndexedDatasetBuilder files "
                                     "(tests/peers/test_megatron_data.py)"})

@@ -31,6 +31,15 @@ SDPA kernel, no ``L x L`` buffer. CUDA, fp16 / bf16 / fp32, ``d % 8 == 0``:
 ``aten._scaled_dot_product_efficient_attention`` / ``..._backward`` in the input dtype. Elsewhere
 (or ``fused=False``): explicit matmul / ``exp`` in fp32 query-row tiles of at most ``TILE_ELEMS``
 score elements (:class:`_Explicit`).
+
+**Sliding window** (``window``: query position ``i`` sees keys ``i - window .. i``, exact). A block's
+query and key rows have known true positions (:func:`.chunks.positions_for_rank` of this rank and
+of ``src``), so every block runs the explicit kernel with the mask ``0 <= i - j <= window`` on
+those positions (the fused kernels take only a causal flag). A row with no key of the block in
+its window gets ``o_b = 0``, ``lse_b = -inf``, which the merge leaves out (``exp(-inf) = 0``); every
+row sees at least itself in the rank's own block (step 0), so the final ``lse`` is finite and the
+backward's ``P = exp(S - lse)`` is 0 exactly where the mask is. A block whose keys are all more
+than ``window`` before its first query is skipped in both directions (its K/V still travel on).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .chunks import chunk_ids, positions_for_rank
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype: fp32, or the input's when wider (fp64 tests)."""
@@ -66,9 +77,9 @@ class _Ring:
     """One rank's ring over the CP group (global ranks of its members); ``tile_elems`` and
     ``fused`` choose the block kernel (:func:`_kernel`)."""
 
-    def __init__(self, group, ranks: list[int], tile_elems: int, fused: bool = True):
+    def __init__(self, group, ranks: list[int], tile_elems: int, fused: bool = True, window: int | None = None):
         self.group, self.ranks, self.tile_elems, self.fused = group, ranks, tile_elems, fused
-        self.cp, self.rank = len(ranks), dist.get_rank(group)
+        self.cp, self.rank, self.window = len(ranks), dist.get_rank(group), window
 
     def shift(self, tensors: list[torch.Tensor]):
         """Start sending ``tensors`` to ``r + 1`` and receiving the same shapes from ``r - 1``;
@@ -79,6 +90,25 @@ class _Ring:
         ops += [dist.P2POp(dist.irecv, t, prv, self.group) for t in recv]
         works = dist.batch_isend_irecv(ops)
         return recv, lambda: [w.wait() for w in works]
+
+
+def _mask(ring, src: int, rq: slice, rk: slice, causal: bool, L: int, device):
+    """A block's mask argument for the kernel: ``causal`` without a window; with one, the
+    ``(query positions, key positions, window)`` of the block's rows (module doc), or None when
+    the block is wholly outside the window (skipped: exactly what its ``lse = -inf`` would add)."""
+    window = getattr(ring, "window", None)
+    if window is None:
+        return causal
+    if _span(ring.cp, ring.rank, rq, L)[0] - _span(ring.cp, src, rk, L)[1] > window:
+        return None  # every key of the block is out of every row's window: nothing to compute
+    q_pos = positions_for_rank(2 * L, ring.cp, ring.rank, device)[rq]
+    return q_pos, positions_for_rank(2 * L, ring.cp, src, device)[rk], window
+
+
+def _span(cp: int, rank: int, rows: slice, L: int) -> tuple[int, int]:
+    """(first, last) true position of a chunk-aligned ``rows`` slice of rank ``rank``'s tokens."""
+    chunks = chunk_ids(cp, rank)[rows.start // L:rows.stop // L]
+    return min(chunks) * L, max(chunks) * L + L - 1
 
 
 def _expand(t, rep):
@@ -142,16 +172,22 @@ class _Explicit:
         return [slice(r, min(M, r + rows)) for r in range(0, M, rows)]
 
     @staticmethod
-    def _probs(q, k, rows: slice, causal: bool, scale: float, lse=None):
-        """``exp(S - lse)`` of query ``rows`` (query ``i`` sees keys ``<= i`` when causal), ``lse``
-        the rows' own log-sum-exp unless given; returns ``(P, lse)``."""
+    def _probs(q, k, rows: slice, causal, scale: float, lse=None):
+        """``exp(S - lse)`` of query ``rows`` (query ``i`` sees keys ``<= i`` when ``causal`` is
+        True; a ``(query positions, key positions, window)`` tuple: keys with ``0 <= i - j <=
+        window``), ``lse`` the rows' own log-sum-exp unless given (-inf for a row with no key:
+        its ``P`` is 0); returns ``(P, lse)``."""
         s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)).mul_(scale)
-        if causal:
+        if causal is True:
             i = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
             s.masked_fill_(torch.arange(k.shape[2], device=q.device).unsqueeze(0) > i, float("-inf"))
+        elif causal is not False:
+            q_pos, k_pos, window = causal
+            diff = q_pos[rows].unsqueeze(1) - k_pos.unsqueeze(0)
+            s.masked_fill_((diff < 0) | (diff > window), float("-inf"))
         if lse is None:
             lse = torch.logsumexp(s, dim=-1)
-        return s.sub_(lse.unsqueeze(-1)).exp_(), lse
+        return s.sub_(lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)).exp_(), lse
 
     def forward(self, q, k, v, causal, scale):
         o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
@@ -174,8 +210,9 @@ class _Explicit:
 
 
 def _kernel(q: torch.Tensor, ring):
-    """The block kernel for ``q`` (module doc): fused where the backend returns its log-sum-exp."""
-    if getattr(ring, "fused", True):
+    """The block kernel for ``q`` (module doc): fused where the backend returns its log-sum-exp
+    (and no window asks for a mask)."""
+    if getattr(ring, "fused", True) and getattr(ring, "window", None) is None:
         if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
             return _FlashCPU
         if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) \
@@ -199,13 +236,15 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.cp
             nxt, wait = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
             rq, rk, causal = _block(ring.cp, ring.rank, src, L)
-            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
-            o_b, lse_b = kernel.forward(qw[:, :, rq], ke, ve, causal, scale)
-            if o is None:  # step 0: the rank's own block covers every query row
-                o, lse = o_b.to(acc), lse_b.to(acc).contiguous()
-            else:
-                _merge(o[:, :, rq], lse[:, :, rq], o_b, lse_b)
-            del o_b, lse_b, ke, ve
+            mask = _mask(ring, src, rq, rk, causal, L, q.device)
+            if mask is not None:
+                ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+                o_b, lse_b = kernel.forward(qw[:, :, rq], ke, ve, mask, scale)
+                if o is None:  # step 0: the rank's own block covers every query row
+                    o, lse = o_b.to(acc), lse_b.to(acc).contiguous()
+                else:
+                    _merge(o[:, :, rq], lse[:, :, rq], o_b, lse_b)
+                del o_b, lse_b, ke, ve
             if wait is not None:
                 wait()
                 kv = tuple(nxt)
@@ -227,13 +266,15 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.cp
             nxt, wait_kv = ring.shift(list(kv)) if step < ring.cp - 1 else (None, None)
             rq, rk, causal = _block(ring.cp, ring.rank, src, L)
-            ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
-            dq_b, dk_b, dv_b = kernel.backward(dow[:, :, rq], qw[:, :, rq], ke, ve, ow[:, :, rq],
-                                               lse[:, :, rq].contiguous(), causal, scale)
-            dq[:, :, rq] += dq_b
-            grads[0][:, :, rk] += _fold(dk_b, rep, acc)
-            grads[1][:, :, rk] += _fold(dv_b, rep, acc)
-            del dq_b, dk_b, dv_b, ke, ve
+            mask = _mask(ring, src, rq, rk, causal, L, q.device)
+            if mask is not None:
+                ke, ve = (_expand(t[:, :, rk].to(work), rep) for t in kv)
+                dq_b, dk_b, dv_b = kernel.backward(dow[:, :, rq], qw[:, :, rq], ke, ve, ow[:, :, rq],
+                                                   lse[:, :, rq].contiguous(), mask, scale)
+                dq[:, :, rq] += dq_b
+                grads[0][:, :, rk] += _fold(dk_b, rep, acc)
+                grads[1][:, :, rk] += _fold(dv_b, rep, acc)
+                del dq_b, dk_b, dv_b, ke, ve
             grads, wait_grads = ring.shift(grads)
             wait_grads()
             if wait_kv is not None:
@@ -242,7 +283,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
 
 
-def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEMS, fused: bool = True):
+def ring_attention(q, k, v, group, ranks: list[int], tile_elems: int = TILE_ELEMS, fused: bool = True,
+                   window: int | None = None):
     """:class:`RingAttention` over the CP group (``ranks``: its members' global ranks);
-    ``fused=False`` forces the explicit kernel, whose score tiles hold at most ``tile_elems``."""
-    return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems, fused))
+    ``fused=False`` forces the explicit kernel, whose score tiles hold at most ``tile_elems``;
+    ``window``: a query sees the keys up to ``window`` positions back (module doc)."""
+    return RingAttention.apply(q, k, v, _Ring(group, ranks, tile_elems, fused, window))

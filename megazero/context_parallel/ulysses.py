@@ -3,7 +3,9 @@
 **All-to-all** (``a2a``, DeepSpeed-Ulysses, :func:`ulysses_attention`): an all-to-all turns
 ``[b, H, s/CP, d]`` (sequence-sharded) into ``[b, H/CP, s, d]`` (head-sharded), the chunks are put
 back in order, ordinary causal attention runs on whole sequences, and the inverse all-to-all
-returns the layout; needs ``H`` and the query groups ``G`` divisible by ``CP``.
+returns the layout; needs ``H`` and the query groups ``G`` divisible by ``CP``. A sliding window
+(``window``: a query at ``i`` sees keys ``i - window .. i``) is exact: the whole sequence is in
+order on every rank, so it is the one-process mask.
 """
 
 from __future__ import annotations
@@ -40,12 +42,18 @@ def _natural_order(cp: int) -> list[int]:
     return [arrived.index(c) for c in range(2 * cp)]
 
 
-def ulysses_attention(q, k, v, group, cp: int, enable_gqa: bool):
-    """Causal attention by two all-to-alls over the CP group (see the module doc)."""
+def ulysses_attention(q, k, v, group, cp: int, enable_gqa: bool, window: int | None = None):
+    """Causal attention by two all-to-alls over the CP group (see the module doc); ``window``:
+    how many earlier keys a query sees besides its own (None: all)."""
     order = _natural_order(cp)
     inverse = [order.index(i) for i in range(2 * cp)]
     q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))
     q, k, v = (torch.cat([t.chunk(2 * cp, dim=2)[i] for i in order], dim=2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    if window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    else:
+        pos = torch.arange(q.shape[2], device=q.device)
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(diff >= 0) & (diff <= window), enable_gqa=enable_gqa)
     out = torch.cat([out.chunk(2 * cp, dim=2)[i] for i in inverse], dim=2)
     return _heads_to_seq(out, group, cp)

@@ -20,6 +20,13 @@ empty support and no NaN can reach the cache). Without padding the mask is SDPA'
 ``is_causal`` on the prefill (``offset == 0``) and nothing at all for later steps, where every
 cached key precedes the query.
 
+**Sliding window** (``window``: the model's ``--window-size`` left, a query at slot ``i`` sees key
+slots ``i - window .. i``): no later query can see a slot more than ``window`` back, so the cache
+keeps only the last ``window`` slots of each layer (at most ``W - 1`` for HF's ``sliding_window``
+``W``): a step attends over those plus its own ``s`` new keys with the mask above intersected with
+``i - j <= window``, then drops what falls out. Generation is exact: every key a query may see is
+still there. Memory per layer: ``2 b (G/p) window d`` instead of ``2 b (G/p) max_len d``.
+
 Usage (``megazero.inference.generation`` drives this)::
 
     cache = InferenceCache(batch, max_len)
@@ -37,12 +44,13 @@ import torch.nn.functional as F
 class InferenceCache:
     """Keys and values of every layer so far, the padding mask, and each row's next position."""
 
-    def __init__(self, batch_size: int, max_len: int, device=None):
-        self.batch_size, self.max_len = batch_size, max_len
+    def __init__(self, batch_size: int, max_len: int, device=None, window: int | None = None):
+        self.batch_size, self.max_len, self.window = batch_size, max_len, window
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.offset = 0  # cache slots filled before the current step
+        self.base = 0  # the first slot still held (0 without a window)
         self.step_len = 0  # tokens in the step being run (set by prepare)
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=self.device)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # slots base .. offset(+s)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # real tokens per row
         self.padded = False  # any padding slot so far
         self.position_ids = None  # [b, s] of the step being run
@@ -61,31 +69,41 @@ class InferenceCache:
         if valid is None:
             valid = torch.ones(self.batch_size, s, dtype=torch.bool, device=self.device)
         valid = valid.to(device=self.device, dtype=torch.bool)
-        self.valid[:, start:end] = valid
+        self.valid = torch.cat([self.valid[:, :start - self.base], valid], 1)
         counts = self.lengths.unsqueeze(1) + valid.long().cumsum(1)  # real tokens up to and incl. each slot
         positions = (counts - 1).clamp(min=0)
         self.lengths = counts[:, -1].clone()
         self.padded = self.padded or not bool(valid.all())
         self.step_len, self.position_ids = s, positions
-        if not self.padded:
+        if not self.padded and self.window is None:
             self.mask = None
         else:
             q_idx = torch.arange(start, end, device=self.device).unsqueeze(1)  # [s, 1]
-            k_idx = torch.arange(end, device=self.device).unsqueeze(0)  # [1, end]
-            causal = k_idx <= q_idx
-            self_slot = k_idx == q_idx
-            keep = self.valid[:, :end].unsqueeze(1) | self_slot.unsqueeze(0)  # [b, s, end]
-            self.mask = (causal.unsqueeze(0) & keep).unsqueeze(1)  # [b, 1, s, end]
+            k_idx = torch.arange(self.base, end, device=self.device).unsqueeze(0)  # [1, end - base]
+            allowed = (k_idx <= q_idx) if self.window is None else (k_idx <= q_idx) & (k_idx >= q_idx - self.window)
+            keep = self.valid.unsqueeze(1) | (k_idx == q_idx).unsqueeze(0)  # [b, s, end - base]
+            self.mask = (allowed.unsqueeze(0) & keep).unsqueeze(1)  # [b, 1, s, end - base]
         return positions
 
     def advance(self) -> None:
-        """The step's keys and values are in every layer: move past them."""
+        """The step's keys and values are in every layer: move past them (with a window, forget
+        the slots no later query can see)."""
         self.offset += self.step_len
         self.step_len = 0
+        if self.window is not None:
+            base = max(self.base, self.offset - self.window)
+            self.valid, self.base = self.valid[:, base - self.base:], base
 
     # ---- called by each attention layer -----------------------------------------------------
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [b, G/p, s, d]`` at this step's slots; return keys/values of slots ``0..offset+s-1``."""
+        """Store ``k, v [b, G/p, s, d]`` at this step's slots; return keys/values of slots
+        ``base .. offset+s-1`` (with a window, the layer then keeps the last ``window`` of them)."""
+        if self.window is not None:
+            held = [t for t in (self.keys.get(layer), self.values.get(layer)) if t is not None]
+            k_all, v_all = (torch.cat([h, t], 2) for h, t in zip(held, (k, v))) if held else (k, v)
+            first = max(0, k_all.shape[2] - self.window)
+            self.keys[layer], self.values[layer] = k_all[:, :, first:].clone(), v_all[:, :, first:].clone()
+            return k_all, v_all
         if layer not in self.keys:
             shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
             self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)

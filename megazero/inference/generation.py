@@ -125,7 +125,8 @@ def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cach
     (``cache`` None) the whole sequence is recomputed, a fresh cache supplying only the
     positions and the attention mask."""
     if cache is None:
-        cache = new_cache(model.config, step_input.shape[0], step_input.shape[1], step_input.device)
+        cache = new_cache(model.config, step_input.shape[0], step_input.shape[1], step_input.device,
+                          window=model.config.window_left)
         cache.prepare(step_valid)
         return model(step_input, inference_cache=cache)
     cache.prepare(step_valid)
@@ -162,7 +163,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     out = torch.full((b, max_new_tokens), eod if eod is not None else 0, dtype=torch.long)
     done = torch.zeros(b, dtype=torch.bool)
     lengths = torch.zeros(b, dtype=torch.long)
-    cache = new_cache(model.config, b, tokens.shape[1] + max_new_tokens, device) if use_cache else None
+    window = model.config.window_left  # --window-size: the cache keeps only the window (cache.py)
+    cache = new_cache(model.config, b, tokens.shape[1] + max_new_tokens, device, window=window) if use_cache else None
     step_input, step_valid = tokens, valid
     t0 = time.perf_counter()
     prefill_s, steps = 0.0, 0

@@ -64,7 +64,10 @@ class LatentCache(InferenceCache):
 
 
 def cache_note(config) -> str | None:
-    """One line for a multi-latent-attention model's generation log (None otherwise)."""
+    """One line for a multi-latent-attention or sliding-window model's generation log (None otherwise)."""
+    if getattr(config, "window_size", None) is not None:
+        return (f"> sliding window (--window-size {config.window_size[0]},0): the KV cache holds each layer's last "
+                f"{config.window_size[0]} positions")
     if not getattr(config, "multi_latent_attention", False):
         return None
     full = config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)

@@ -28,20 +28,21 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-            "init_method_std", "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS + MLA_ARG_KEYS
+            "init_method_std", "seed", "params_dtype", "apply_layernorm_1p", "qk_layernorm", "window_size") \
+    + MOE_ARG_KEYS + MLA_ARG_KEYS
 # The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
 _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
                   "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
                   "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "add_bias_linear",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "attention_dropout", "hidden_dropout",
                   "init_method_std", "seed", "params_dtype", "recompute_granularity", "recompute_method",
-                  "recompute_num_layers")
+                  "recompute_num_layers", "qk_layernorm")
 # The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
               "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-              "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS + MLA_SHAPE_KEYS
+              "untie_embeddings_and_output_weights", "qk_layernorm") + MOE_SHAPE_KEYS + MLA_SHAPE_KEYS
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -104,6 +105,13 @@ class GPTConfig:
     label_smoothing: float = 0.0
     moe: MoEConfig | None = None  # Mixture of Experts (megazero.moe.config); None: dense
     cp_comm_type: str = "p2p"  # attention across context-parallel ranks: "p2p" (ring) or "a2a" (Ulysses)
+    # QK normalization and sliding-window attention (Qwen3, Mistral; model/attention.py has the math).
+    # qk_layernorm: Megatron's --qk-layernorm: a `normalization` norm of each head's q and k (weights of
+    # size kv_channels shared by all heads), before RoPE. window_size: Megatron's --window-size (left,
+    # right): query i attends keys i - left .. i (causal: right 0; HF Mistral's sliding_window W is
+    # (W - 1, 0)); None or left -1: the whole causal prefix.
+    qk_layernorm: bool = False
+    window_size: tuple[int, int] | None = None
     # Multi-latent attention (DeepSeek-V2/V3; model/mla.py has the math, model/mla_config.py the names,
     # Megatron's defaults and checks). Off: none of the others is read.
     multi_latent_attention: bool = False
@@ -144,6 +152,7 @@ class GPTConfig:
             raise ValueError(f"recompute_granularity {self.recompute_granularity!r} unknown")
         if self.cp_comm_type not in ("p2p", "a2a"):
             raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: megazero has p2p (ring) and a2a (Ulysses)")
+        put("window_size", checked_window(self.window_size))
         if mla_problem(self) is not None:
             raise ValueError(mla_problem(self))
         if self.moe is not None and len(self.moe.layer_pattern) != self.num_layers:
@@ -161,6 +170,11 @@ class GPTConfig:
     def qkv_bias(self) -> bool:
         """Whether the QKV projection has a bias: ``add_bias_linear or add_qkv_bias``."""
         return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def window_left(self) -> int | None:
+        """How many earlier positions a query sees besides its own (``--window-size``'s left), or None."""
+        return None if self.window_size is None else self.window_size[0]
 
     @property
     def swiglu(self) -> bool:
@@ -239,7 +253,7 @@ class GPTConfig:
         return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
                    apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
                    sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe,
-                   cp_comm_type=cp_comm, **mla_from_megatron(given), **kwargs)
+                   cp_comm_type=cp_comm, window_size=given.get("window_size"), **mla_from_megatron(given), **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":
@@ -273,8 +287,24 @@ class GPTConfig:
                 "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.qkv_bias,
                 "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
                 "init_method_std": self.init_method_std, "seed": self.seed,
-                "params_dtype": str(self.params_dtype).replace("torch.", ""),
+                "params_dtype": str(self.params_dtype).replace("torch.", ""), "qk_layernorm": self.qk_layernorm,
+                "window_size": None if self.window_size is None else list(self.window_size),
                 **(self.moe.to_args() if self.moe is not None else {"num_experts": None}), **mla_to_args(self)}
+
+
+def checked_window(window) -> tuple[int, int] | None:
+    """``--window-size`` as a ``(left, right)`` tuple of ints (a checkpoint's JSON list too); None
+    for none or Megatron's infinite left (-1). Raises unless causal (right 0) with left >= 0."""
+    if window is None:
+        return None
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"--window-size {window!r}: expected two integers (left,right), e.g. 4095,0") from None
+    if right != 0 or left < -1:
+        raise ValueError(f"--window-size {left},{right}: megazero's GPT attention is causal; give left >= 0 "
+                         "(or -1: no window) and right 0")
+    return None if left == -1 else (left, right)
 
 
 def replace_config(config: GPTConfig, **changes) -> GPTConfig:

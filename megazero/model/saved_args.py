@@ -5,8 +5,10 @@
   shapes (:data:`~megazero.model.config.SHAPE_KEYS`): the activation (``openai_gelu``: tanh GELU,
   ``swiglu``), the normalization and its epsilon and ``apply_layernorm_1p``, the positions and the
   rotary base, the biases (``add_bias_linear``, ``add_qkv_bias``), the tying of the output layer,
-  the query groups (GQA), the MoE router's choices, and multi-latent attention's sizes (shape keys)
-  and RoPE (``rope_type``, YaRN's factor, mscales, original length and betas). A load compares them
+  the query groups (GQA), QK normalization (``qk_layernorm``, a shape key: its weights) and the
+  sliding window (``window_size``, recorded as a ``[left, right]`` list), the MoE router's choices,
+  and multi-latent attention's sizes (shape keys) and RoPE (``rope_type``, YaRN's factor, mscales,
+  original length and betas). A load compares them
   (:func:`model_arg_diffs`) and refuses any difference: a flag left at its default that the
   checkpoint recorded otherwise (an imported GPT-2 without ``--openai-gelu``) would otherwise
   train another function silently.
@@ -15,7 +17,8 @@
   takes the first list from the checkpoint only where the command line left the value None, the
   second always (``force=True``). megazero has no ``squared_relu``, ``rotary_percent``,
   ``spec``, Mamba or hybrid arguments, so they are not listed; it adds the model arguments its
-  checkpoints record and Megatron's list lacks (``openai_gelu``, ``norm_epsilon``), since the
+  checkpoints record and Megatron's list lacks (``openai_gelu``, ``norm_epsilon``, ``qk_layernorm``,
+  ``window_size``), since the
   load refuses a difference in them.
 * ``add_qkv_bias`` is recorded as the QKV layer has it (``add_bias_linear or add_qkv_bias``),
   as Megatron-LM's ``validate_args`` sets it under ``add_bias_linear`` before saving
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 from .config import SHAPE_KEYS
 
-MODEL_KEYS = SHAPE_KEYS + ("openai_gelu", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "moe_router_topk",
+MODEL_KEYS = SHAPE_KEYS + ("openai_gelu", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "window_size",
+                           "moe_router_topk",
                            "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                            "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
                            "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
@@ -42,7 +46,7 @@ CHECKPOINT_ARGS_FORCED = ("num_query_groups", "group_query_attention", "position
                           "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
                           "moe_shared_expert_intermediate_size", "moe_router_score_function",
                           "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "openai_gelu",
-                          "norm_epsilon")
+                          "norm_epsilon", "qk_layernorm", "window_size")
 
 # Arguments whose flag is not ``--`` + the name with dashes (values are shown as the name's).
 _FLAG_NAMES = {"add_bias_linear": "--disable-bias-linear (add_bias_linear)",

@@ -8,7 +8,8 @@ group, no tensors. :mod:`megazero.planner` tries every layout with it; the flags
 ``2 n_h + (H + 2G) d h / t + H d h / t + k f h / t`` weights (norms ``n_h = 2h`` LayerNorm or
 ``h`` RMSNorm, QKV, dense, MLP with ``k = 3`` SwiGLU else 2) plus biases
 ``(H + 2G) d / t + h + k' f / t + h`` (``k' = 2`` SwiGLU else 1), or with ``--add-qkv-bias``
-alone the QKV's ``(H + 2G) d / t``; the first stage adds the word
+alone the QKV's ``(H + 2G) d / t``, with ``--qk-layernorm`` the q and k norms ``2 n_d`` (whole on
+every TP rank: ``n_d = 2d`` LayerNorm or ``d`` RMSNorm); the first stage adds the word
 embedding ``V' h / t`` (V' padded to a multiple of 128 t) and learned positions ``P h``; the last
 the final norm and, untied or PP > 1, the output layer ``V' h / t``. An MoE layer
 (``--moe-layer-freq``) has the attention and norms, the router ``E h``, the shared expert
@@ -73,13 +74,14 @@ def norm_params(shape: GPTConfig) -> int:
 
 def attention_params(shape: GPTConfig, tp: int = 1) -> int:
     """QKV and the dense projection on one TP rank (row-parallel bias whole; the QKV bias alone
-    with ``--add-qkv-bias``)."""
-    if shape.multi_latent_attention:  # its own projections: .mla_memory
+    with ``--add-qkv-bias``), and the replicated per-head q/k norms with ``--qk-layernorm``."""
+    if shape.multi_latent_attention:  # its own projections (and latent norms): .mla_memory
         return mla_attention_params(shape, tp)
     h, d = shape.hidden_size, shape.kv_channels
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
     biases = ((q + 2 * kv) // tp if shape.qkv_bias else 0) + (h if shape.add_bias_linear else 0)
-    return (q + 2 * kv) * h // tp + q * h // tp + biases
+    qk_norms = 2 * (2 * d if shape.layernorm else d) if shape.qk_layernorm else 0
+    return (q + 2 * kv) * h // tp + q * h // tp + biases + qk_norms
 
 
 def mlp_params(shape: GPTConfig, tp: int = 1) -> int:

@@ -139,7 +139,7 @@ def test_qwen2_generates_as_transformers_at_tp_1_and_2():
 
 def test_qwen2_config_export_and_refusals():
     """The config maps to --add-qkv-bias without other biases; its export rebuilds the HF model;
-    a sliding window and exports that would drop or add biases are refused naming the key."""
+    a window on only some layers and exports that would drop or add biases are refused naming the key."""
     hf = qwen2(tie=True)
     config = config_from_hf(hf.config.to_dict())
     assert (config.add_qkv_bias, config.add_bias_linear, config.qkv_bias, config.tied_embeddings) == (
@@ -156,9 +156,9 @@ def test_qwen2_config_export_and_refusals():
         hf_config_of(replace_config(config, add_qkv_bias=False), "qwen2")
     with pytest.raises(ValueError, match=r"no biases but the QKV's"):
         hf_config_of(replace_config(config, add_bias_linear=True), "qwen2")
-    cfg = dict(hf.config.to_dict(), use_sliding_window=True)
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM config use_sliding_window=True: sliding-window"):
-        config_from_hf(cfg)
-    layer_types = dict(hf.config.to_dict(), layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(ValueError, match="use_sliding_window"):
+    cfg = dict(hf.config.to_dict(), use_sliding_window=True, sliding_window=6)  # max_window_layers 28: no layer
+    assert config_from_hf(cfg).window_size is None
+    assert config_from_hf(dict(cfg, max_window_layers=0, layer_types=None)).window_size == (5, 0)
+    layer_types = dict(cfg, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="use_sliding_window=true with layer_types: layers mix full and sliding"):
         config_from_hf(layer_types)

@@ -135,7 +135,6 @@ def test_routing_variants_one_process(make, kw):
                                             ("qwen2_moe", "num_experts", 0),
                                             ("qwen2_moe", "shared_expert_intermediate_size", 0),
                                             ("qwen2_moe", "hidden_act", "gelu"),
-                                            ("mixtral", "sliding_window", 8),
                                             ("mixtral", "num_experts_per_tok", 9)])
 def test_refuses_what_megazero_cannot_express(arch, key, value):
     make = {"mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]

@@ -81,9 +81,9 @@ def test_missing_shard_is_refused(tmp_path, capsys):
 def test_unknown_arch_is_refused(tmp_path, capsys):
     model = direct_model(GPT2ISH)
     src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config,
-                                      qk_layernorm=True)
+                                      squared_relu=True)
     err = refused(tmp_path, src, capsys)
-    assert "iter_0000007/common.pt: unsupported Megatron-LM model options: qk_layernorm" in err
+    assert "iter_0000007/common.pt: unsupported Megatron-LM model options: squared_relu" in err
 
 
 
@@ -113,7 +113,7 @@ def test_from_megatron_torch_dist_moe(tmp_path, freq):
 
 
 def test_unknown_key_is_refused_by_name(tmp_path, capsys):
-    """A weight megazero has no place for (here a QK-norm's) is named with the folder."""
+    """A weight megazero has no place for (here an attention output gate's) is named with the folder."""
     import torch.distributed.checkpoint as dcp
     model = direct_model(LLAMAISH)
     src2 = str(tmp_path / "mt2")
@@ -123,10 +123,10 @@ def test_unknown_key_is_refused_by_name(tmp_path, capsys):
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
              if hasattr(v, "size")}
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    state["decoder.layers.self_attention.q_layernorm.weight"] = torch.ones(4, 8)
+    state["decoder.layers.self_attention.linear_gate.weight"] = torch.ones(4, 8)
     for name in os.listdir(folder):
         if name.endswith(".distcp") or name == ".metadata":
             os.remove(os.path.join(folder, name))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
     err = refused(tmp_path, src2, capsys)
-    assert "iter_0000007: unknown Megatron-LM parameter 'decoder.layers.0.self_attention.q_layernorm.weight'" in err
+    assert "iter_0000007: unknown Megatron-LM parameter 'decoder.layers.0.self_attention.linear_gate.weight'" in err

@@ -20,23 +20,28 @@ def _inputs(H=4, G=2, s=16, d=8):
         [torch.randn(2, H, s, d, generator=g, dtype=torch.float64)]
 
 
-def _reference():
+def _reference(window=None):
     q, k, v, do = _inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if window is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:  # keys j with i - window <= j <= i, built here independently of megazero's mask
+        i, j = torch.arange(16).unsqueeze(1), torch.arange(16).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j >= i - window), enable_gqa=True)
     out.backward(do)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
 
-def _cp_worker(rank, world, kind, tile_elems=None):
+def _cp_worker(rank, world, kind, tile_elems=None, window=None):
     topo = Topology(world, rank, cp=world).create_groups()
     q, k, v, do = (slice_for_rank(t, 2, world, rank) for t in _inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     if kind in ("p2p", "explicit"):  # the fused block kernel (CPU flash), or the explicit tiles
         extra = {"tile_elems": tile_elems} if tile_elems else {}
-        out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"], fused=kind == "p2p", **extra)
+        out = ring_attention(q, k, v, topo.group("cp"), topo.rank_lists["cp"], fused=kind == "p2p",
+                             window=window, **extra)
     else:
-        out = ulysses_attention(q, k, v, topo.group("cp"), world, enable_gqa=True)
+        out = ulysses_attention(q, k, v, topo.group("cp"), world, enable_gqa=True, window=window)
     out.backward(do)
     return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
 
@@ -48,6 +53,17 @@ def test_cp_attention_equals_full_causal_attention(cp, kind, tile):
     elements, less than one query row (b H L = 32): one row per tile."""
     ref = _reference()
     for rank, got in enumerate(run_distributed(_cp_worker, cp, kind, tile)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a, slice_for_rank(b, 2, cp, rank), rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("cp,kind,window", [(2, "p2p", 0), (2, "p2p", 2), (2, "p2p", 5), (4, "p2p", 3),
+                                            (2, "a2a", 2), (2, "a2a", 6), (2, "p2p", 15)])
+def test_cp_sliding_window_equals_one_process(cp, kind, window):
+    """``--window-size (window, 0)`` under CP: query ``i`` sees keys ``i - window .. i``; windows
+    shorter than a chunk (L = 16 / 2CP) leave whole blocks and rows of a block with no key."""
+    ref = _reference(window)
+    for rank, got in enumerate(run_distributed(_cp_worker, cp, kind, None, window)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(a, slice_for_rank(b, 2, cp, rank), rtol=1e-9, atol=1e-10, msg=name)
 

@@ -132,3 +132,19 @@ def test_cp2_bf16_tracks_fp32():
     """bf16 weights and activations (fp32 ring accumulation, fp32 masters): within bf16 rounding."""
     _check(2, dict(cp=2), stages=(1,), loss_tol=3e-2, params_dtype=torch.bfloat16,
            opt_kw=dict(params_dtype=torch.bfloat16, bf16=True))
+
+
+QWEN3ISH = dict(qk_layernorm=True, window_size=(5, 0))  # windows shorter than the 16-token sequence
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_qk_norm_and_sliding_window_cp2(comm):
+    """--qk-layernorm and --window-size 5,0 at CP 2 (the ring's windowed blocks; Ulysses' mask)."""
+    _check(2, dict(cp=2), stages=(1,), cp_comm_type=comm, **QWEN3ISH)
+
+
+def test_qk_norm_and_sliding_window_tp2_sp_pp2_zero3():
+    """TP 2 with SP (the per-head norm weights replicated, their gradients summed over TP) x PP 2
+    on 4 ranks; CP 2 x TP 2 (SP) x DP 2 at ZeRO 3 on 8."""
+    _check(4, dict(tp=2, pp=2), stages=(1,), sequence_parallel=True, **QWEN3ISH)
+    _check(8, dict(cp=2, tp=2), stages=(3,), sequence_parallel=True, **QWEN3ISH)

@@ -33,6 +33,9 @@ CPU shims (:func:`cpu_shims`, applied inside the forked ranks only, each explici
   _get_cuda_rng_state`` / ``_set_cuda_rng_state``) read and set the CPU generator; its states
   are seeded with its public ``set_states`` (``model_parallel_cuda_manual_seed`` calls
   ``torch.cuda.manual_seed``);
+* megatron-core's sliding-window mask (``megatron.core.transformer.utils.get_sliding_window_causal_mask``,
+  its ``torch.ones(..., device="cuda")``) runs unchanged under a ``TorchFunctionMode`` that
+  places tensors a factory asks on ``cuda`` on the CPU instead (:class:`CudaFactoriesOnCPU`);
 * ``torch._dynamo.config.disable``: megatron-core wraps its fused kernels in ``torch.compile``
   (``megatron/core/jit.py``) and each rank would compile them again; they run as the same
   eager functions.
@@ -73,6 +76,23 @@ def cpu_shims() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    from megatron.core.fusions import fused_softmax
+    window_mask = fused_softmax.get_sliding_window_causal_mask
+
+    def window_mask_on_cpu(*args, **kwargs):
+        with CudaFactoriesOnCPU():
+            return window_mask(*args, **kwargs)
+    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
+
+
+class CudaFactoriesOnCPU(torch.overrides.TorchFunctionMode):
+    """A tensor factory called with ``device="cuda"`` builds on the CPU (same values)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
 
 
 def padded_vocab(tp: int, vocab: int = VOCAB) -> int:
@@ -88,7 +108,8 @@ def megatron_args(model: dict, tp: int, pp: int, vp: int | None, vocab: int = VO
     from megatron.core.transformer.enums import AttnBackend
     a = dict(model, kv_channels=model["hidden_size"] // model["num_attention_heads"], rotary_percent=1.0,
              rotary_interleaved=False, norm_epsilon=1e-5, apply_layernorm_1p=False, squared_relu=False,
-             quick_geglu=False, qk_layernorm=False, apply_residual_connection_post_layernorm=False,
+             quick_geglu=False, qk_layernorm=model.get("qk_layernorm", False), window_size=model.get("window_size"),
+             apply_residual_connection_post_layernorm=False,
              add_qkv_bias=model["add_bias_linear"], num_experts=None, vocab_size=vocab,
              tokenizer_type="NullTokenizer", make_vocab_size_divisible_by=128, padded_vocab_size=padded_vocab(tp, vocab),
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -118,7 +139,8 @@ def transformer_config(a: argparse.Namespace):
               pipeline_model_parallel_size=a.pipeline_model_parallel_size,
               virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
               params_dtype=a.params_dtype, pipeline_dtype=a.params_dtype, use_cpu_initialization=True,
-              persist_layer_norm=not a.no_persist_layer_norm)
+              persist_layer_norm=not a.no_persist_layer_norm, qk_layernorm=a.qk_layernorm,
+              window_size=a.window_size)
     if a.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True, bias_activation_fusion=False)
     else:
@@ -140,7 +162,8 @@ def build_chunks(a: argparse.Namespace, pp_rank: int, seed: int = 7, parallel_ou
     chunks = []
     for c in range(vp):
         stage = c * a.pipeline_model_parallel_size + pp_rank
-        model = GPTModel(config, get_gpt_layer_local_spec(normalization=a.normalization), a.padded_vocab_size,
+        spec = get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm)
+        model = GPTModel(config, spec, a.padded_vocab_size,
                          a.max_position_embeddings, pre_process=stage == 0,
                          post_process=stage == vp * a.pipeline_model_parallel_size - 1, parallel_output=parallel_output,
                          share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,

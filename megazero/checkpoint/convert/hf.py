@@ -1,5 +1,5 @@
-"""Hugging Face GPT-2 / Llama / Qwen2 / Mixtral / Qwen2-MoE weights <-> megazero, at any TP (and EP) size
-(``transformers`` not needed).
+"""Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE / Qwen3-MoE weights <->
+megazero, at any TP (and EP) size (``transformers`` not needed).
 
 Conversion goes through the model's *full* state dict (:meth:`GPTModel.full_state_dict`): full,
 unpadded tensors keyed by megazero names, which :meth:`GPTModel.load_full_state_dict` slices for
@@ -27,8 +27,10 @@ no permutation is needed. ``load_hf(model, source)`` takes an HF state dict or a
 goes back (a collective over TP); ``config_from_hf`` builds the :class:`GPTConfig`.
 ``Qwen2ForCausalLM`` maps as Llama, its QKV bias (and no other: ``--add-qkv-bias``) included
 (:mod:`.hf_qwen2`). ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` map as Llama outside their
-MoE blocks, whose mapping (and routing equivalences) is in :mod:`.hf_moe`. A saved folder is
-read by :mod:`.hf_files`.
+MoE blocks, whose mapping (and routing equivalences) is in :mod:`.hf_moe`. ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` (per-head ``q_norm`` / ``k_norm`` -> ``layers.i.attention.q_norm`` /
+``k_norm``) and ``MistralForCausalLM``, and every sliding window, are :mod:`.hf_families`'. A saved
+folder is read by :mod:`.hf_files`.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from megazero.model.config import GPTConfig
 from .hf_files import WEIGHT_FILES, hf_weights, read_hf_folder  # noqa: F401 (the converter's names)
 from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
                      moe_layer_map, unfuse_experts)
+from .hf_families import FAMILY_ARCHS, attention_fields, export_problems, family_config
 from .hf_qwen2 import QWEN2_ARCHS, qwen2_config, qwen2_fields
 
-ARCHS = ("gpt2", "llama", "qwen2") + tuple(MOE_ARCHS)
+ARCHS = ("gpt2", "llama", "qwen2") + tuple(FAMILY_ARCHS) + tuple(MOE_ARCHS)
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu"}
@@ -63,6 +66,8 @@ def arch_of(hf: dict) -> str:
         return kind
     if any(k.startswith("transformer.wte") for k in hf):
         return "gpt2"
+    if any(".self_attn.q_norm." in k for k in hf):
+        return "qwen3_moe" if any(".mlp.experts." in k or ".mlp.gate." in k for k in hf) else "qwen3"
     if any(".shared_expert" in k for k in hf):
         return "qwen2_moe"
     if any(".block_sparse_moe." in k or ".mlp.experts." in k for k in hf):
@@ -94,11 +99,14 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
     else:
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"unsupported RoPE scaling {rope}")
+            key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+            raise ValueError(f"config {key} rope_type={rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE "
+                             "has no scaling (only rope_type 'default' converts)")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation hidden_act={c.get('hidden_act')!r} (SwiGLU needs silu)")
         if bool(c.get("attention_bias", False)) != bool(c.get("mlp_bias", False)):
-            raise ValueError("attention_bias and mlp_bias must agree (one add_bias_linear flag)")
+            raise ValueError(f"config attention_bias={c.get('attention_bias', False)!r} with mlp_bias="
+                             f"{c.get('mlp_bias', False)!r}: they must agree (one --disable-bias-linear flag)")
         heads = c["num_attention_heads"]
         kw = dict(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=heads,
                   num_query_groups=c.get("num_key_value_heads") or heads,
@@ -111,6 +119,7 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                   untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
                   attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
                   init_method_std=c.get("initializer_range", 0.02))
+        kw.update(attention_fields(c, arch, kw["num_layers"]))
         if arch in QWEN2_ARCHS:
             kw.update(qwen2_fields(c, arch))
         if arch in MOE_ARCHS:
@@ -141,6 +150,7 @@ def _layer_map(arch: str, i: int) -> dict[str, list[tuple[str, bool]]]:
         m[f"attention.qkv.{kind}"] = [(h + f"self_attn.{x}_proj.{kind}", False) for x in "qkv"]
         m[f"mlp.fc1.{kind}"] = [(h + f"mlp.{x}_proj.{kind}", False) for x in ("gate", "up")]
     m["attention.dense.bias"] = [(h + "self_attn.o_proj.bias", False)]
+    m.update({f"attention.{x}_norm.weight": [(h + f"self_attn.{x}_norm.weight", False)] for x in "qk"})  # Qwen3
     m["mlp.fc2.bias"] = [(h + "mlp.down_proj.bias", False)]
     return m
 
@@ -232,12 +242,17 @@ def to_hf_state_dict(model, arch: str | None = None, fused_experts: bool = False
 
 def arch_of_config(config) -> str:
     """The HF architecture a :class:`GPTConfig` exports as by default: MoE per :mod:`.hf_moe`;
-    RoPE with a QKV-only bias ``qwen2``, other RoPE ``llama``; learned positions ``gpt2``."""
+    RoPE with QK-norm ``qwen3``, with a QKV-only bias ``qwen2``, with a window ``mistral``, other
+    RoPE ``llama``; learned positions ``gpt2``."""
     if config.moe is not None:
         return moe_arch_of_config(config)
     if config.position_embedding_type != "rope":
         return "gpt2"
-    return "qwen2" if config.add_qkv_bias and not config.add_bias_linear else "llama"
+    if config.qk_layernorm:
+        return "qwen3"
+    if config.add_qkv_bias and not config.add_bias_linear:
+        return "qwen2"
+    return "mistral" if config.window_size is not None else "llama"
 
 
 def hf_config_of(config: GPTConfig, arch: str) -> dict:
@@ -252,7 +267,7 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
                                ("gelu/gelu_tanh", c.activation in ("gelu", "gelu_tanh")),
                                ("no GQA", c.num_query_groups == c.num_attention_heads),
                                ("kv_channels = hidden / heads", c.kv_channels * c.num_attention_heads == c.hidden_size))
-               if not ok]
+               if not ok] + export_problems(c, arch)
         if bad:
             raise ValueError(f"GPT-2 export needs: {', '.join(bad)}")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
@@ -265,9 +280,10 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
     bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
                            ("SwiGLU", c.activation == "swiglu"),
                            ("no QKV-only bias (--add-qkv-bias: export as qwen2)",
-                            arch != "llama" or c.qkv_bias == c.add_bias_linear)) if not ok]
+                            arch != "llama" or c.qkv_bias == c.add_bias_linear)) if not ok] + export_problems(c, arch)
     if bad:
-        raise ValueError(f"{MOE_ARCHS.get(arch, QWEN2_ARCHS.get(arch, 'Llama'))} export needs: {', '.join(bad)}")
+        name = {**MOE_ARCHS, **QWEN2_ARCHS, **FAMILY_ARCHS}.get(arch, "Llama")
+        raise ValueError(f"{name} export needs: {', '.join(bad)}")
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "num_hidden_layers": c.num_layers,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
@@ -279,4 +295,6 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
             "attention_dropout": 0.0, "torch_dtype": "float32"}
     if arch == "qwen2":
         return qwen2_config(c, llama)
+    if arch in FAMILY_ARCHS:
+        return family_config(c, arch, llama)
     return hf_moe_config(c, arch, llama) if arch in MOE_ARCHS else llama

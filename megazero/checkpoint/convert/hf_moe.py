@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral / Qwen2-MoE <-> megazero MoE GPTs (the expert half of :mod:`.hf`).
+"""Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE <-> megazero MoE GPTs (the expert half of :mod:`.hf`).
 
 Attention, norms, embeddings and the dense MLPs map as for Llama (:mod:`.hf`); an MoE layer
 ``i`` maps as below (``E`` experts ``e``; SwiGLU ``fc1`` rows are ``[gate; up]``, as megazero's):
@@ -24,9 +24,14 @@ which equals the softmax over the top-k logits: Megatron's default (``pre_softma
 Qwen2-MoE takes the top-k of the full softmax and renormalizes only with ``norm_topk_prob``:
 ``norm_topk_prob`` False is ``--moe-router-pre-softmax``, True is the default. Qwen2-MoE's layer
 ``n`` is MoE unless ``n`` is in ``mlp_only_layers`` or ``(n + 1) % decoder_sparse_step != 0``;
-the pattern becomes ``--moe-layer-freq`` as a list. Qwen2-MoE's attention (``qkv_bias``: a bias on
-the QKV projection only, ``--add-qkv-bias``; sliding windows refused) is :mod:`.hf_qwen2`'s. HF
-configs we cannot express (sliding windows, a non-SiLU activation, no shared expert) are refused
+the pattern becomes ``--moe-layer-freq`` as a list. Qwen3-MoE (``Qwen3MoeForCausalLM``, 5.24
+``models/qwen3_moe``) is Qwen2-MoE's layout and routing (``norm_topk_prob``, default false, the
+same two ways; ``decoder_sparse_step`` / ``mlp_only_layers`` the same pattern, the dense layers'
+FFN ``intermediate_size``) without the shared expert, under Hub names ``mlp.experts.e.*_proj``
+and ``mlp.gate``; its attention has QK-norm (:mod:`.hf_families`). Qwen2-MoE's attention (``qkv_bias``: a bias on
+the QKV projection only, ``--add-qkv-bias``; sliding windows refused) is :mod:`.hf_qwen2`'s;
+Mixtral's and Qwen3-MoE's sliding windows are :mod:`.hf_families`'. HF configs we cannot express
+(Qwen2-MoE's windows, a non-SiLU activation, Qwen2-MoE without its shared expert) are refused
 naming the key.
 """
 
@@ -39,7 +44,9 @@ from megazero.tensor_parallel.mappings import group_rank, group_size
 
 from megazero.moe.config import MoEConfig
 
-MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+from .hf_families import window_keys
+
+MOE_ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _refuse(arch: str, key: str, value, why: str) -> ValueError:
@@ -58,18 +65,16 @@ def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
     """The :class:`GPTConfig` fields an HF Mixtral / Qwen2-MoE config dict adds to Llama's (the
     ``moe`` block; Mixtral's FFN size), refusing what megazero cannot express."""
     if arch == "mixtral":
-        window = c.get("sliding_window")
-        if window is not None and window < c.get("max_position_embeddings", 0):
-            raise _refuse(arch, "sliding_window", window, "sliding-window attention is not available in megazero "
-                                                          "(null, or >= max_position_embeddings, converts)")
         f = c["intermediate_size"]
         moe = _moe(arch, num_experts=c["num_local_experts"], ffn_hidden_size=f, layer_pattern=(1,) * num_layers,
                    router_topk=c.get("num_experts_per_tok", 2), pre_softmax=False)
         return {"ffn_hidden_size": f, "moe": moe}
-    E, shared = c.get("num_experts", 0), c.get("shared_expert_intermediate_size")
+    E, shared = c.get("num_experts") or c.get("num_local_experts", 0), c.get("shared_expert_intermediate_size")
     if not E:
-        raise _refuse(arch, "num_experts", E, "no experts: a dense Qwen2 model, not an MoE one")
-    if not shared:
+        raise _refuse(arch, "num_experts", E, "no experts: a dense model, not an MoE one")
+    if arch == "qwen3_moe":
+        shared = None
+    elif not shared:
         raise _refuse(arch, "shared_expert_intermediate_size", shared,
                       "Qwen2-MoE's gated shared expert needs a positive size")
     step, dense = c.get("decoder_sparse_step", 1) or 1, set(c.get("mlp_only_layers") or [])
@@ -78,7 +83,7 @@ def moe_fields(c: dict, arch: str, num_layers: int) -> dict:
         raise _refuse(arch, "mlp_only_layers", sorted(dense), f"with decoder_sparse_step {step} no layer is MoE")
     moe = _moe(arch, num_experts=E, ffn_hidden_size=c["moe_intermediate_size"], layer_pattern=pattern,
                router_topk=c.get("num_experts_per_tok", 4), pre_softmax=not c.get("norm_topk_prob", False),
-               shared_expert_intermediate_size=shared, shared_expert_gate=True)
+               shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
     return {"moe": moe}
 
 
@@ -174,8 +179,11 @@ def gather_experts(model, full: dict) -> dict:
 
 
 def moe_arch_of_config(config) -> str:
-    """``qwen2_moe`` for an MoE GPT with a shared expert, else ``mixtral``."""
-    return "qwen2_moe" if config.moe.shared_expert_intermediate_size else "mixtral"
+    """``qwen2_moe`` for an MoE GPT with a shared expert, else ``qwen3_moe`` with QK-norm, else
+    ``mixtral``."""
+    if config.moe.shared_expert_intermediate_size:
+        return "qwen2_moe"
+    return "qwen3_moe" if config.qk_layernorm else "mixtral"
 
 
 def hf_moe_config(config, arch: str, llama: dict) -> dict:
@@ -192,6 +200,9 @@ def hf_moe_config(config, arch: str, llama: dict) -> dict:
         bad += [m for m, ok in (("every layer MoE (--moe-layer-freq 1)", all(moe.layer_pattern)),
                                 ("no shared expert", not moe.shared_expert_intermediate_size),
                                 ("top-k renormalized (no --moe-router-pre-softmax)", not moe.pre_softmax)) if not ok]
+    elif arch == "qwen3_moe":
+        bad += [m for m, ok in (("no shared expert", not moe.shared_expert_intermediate_size),
+                                ("no QKV bias", not c.qkv_bias)) if not ok]
     else:
         bad += [m for m, ok in (("a gated shared expert", bool(moe.shared_expert_intermediate_size
                                                                and moe.shared_expert_gate)),) if not ok]
@@ -201,8 +212,14 @@ def hf_moe_config(config, arch: str, llama: dict) -> dict:
     out.update(architectures=[MOE_ARCHS[arch]], model_type=arch, num_experts_per_tok=moe.router_topk,
                output_router_logits=False)
     if arch == "mixtral":
-        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size, sliding_window=None,
-                   router_jitter_noise=0.0)
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size,
+                   router_jitter_noise=0.0, **window_keys(c, arch))
+        return out
+    dense = [n for n, on in enumerate(moe.layer_pattern) if not on]
+    if arch == "qwen3_moe":
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size, attention_bias=False,
+                   norm_topk_prob=not moe.pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense,
+                   **window_keys(c, arch))
         return out
     out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
                shared_expert_intermediate_size=moe.shared_expert_intermediate_size,

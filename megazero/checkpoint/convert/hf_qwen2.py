@@ -14,13 +14,16 @@ What transformers computes (5.24, ``models/qwen2/modeling_qwen2.py``: ``Qwen2Att
   (``tie_word_embeddings``, default false; the small Qwen2.5 models tie it). The weights map as
   Llama's (:mod:`.hf`'s table: the ``q/k/v_proj`` biases concatenate into ``attention.qkv.bias``,
   rows ``[Q; K; V]`` as the weight's, split over TP as its rows are).
-* Sliding-window attention (``use_sliding_window``, or a ``sliding_attention`` entry of
-  ``layer_types``) has no megazero equivalent: refused naming the key. transformers leaves it off
-  by default (``Qwen2Config.use_sliding_window = False``), as every released Qwen2 / Qwen2.5 /
-  Qwen1.5-MoE config does.
+* Sliding-window attention: Qwen2's (one window for every layer, ``--window-size``) is
+  :mod:`.hf_families`'; a config whose layers mix full and sliding attention is refused there.
+  Qwen2-MoE's (every other layer below ``max_window_layers``) is refused naming the key.
+  transformers leaves it off by default (``use_sliding_window = False``), as every released Qwen2 /
+  Qwen2.5 / Qwen1.5-MoE config does.
 """
 
 from __future__ import annotations
+
+from .hf_families import window_keys
 
 QWEN2_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
@@ -28,9 +31,9 @@ QWEN2_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 def qwen2_fields(c: dict, arch: str) -> dict:
     """The :class:`GPTConfig` bias fields of an HF Qwen2 / Qwen2-MoE config dict: no bias but
     the QKV projection's (Qwen2 always; Qwen2-MoE as ``qkv_bias``, default true), refusing
-    sliding windows."""
+    Qwen2-MoE's sliding windows."""
     types = c.get("layer_types") or []
-    if c.get("use_sliding_window") or "sliding_attention" in types:
+    if arch == "qwen2_moe" and (c.get("use_sliding_window") or "sliding_attention" in types):
         raise ValueError(f"{QWEN2_ARCHS[arch]} config use_sliding_window={c.get('use_sliding_window')!r}: "
                          "sliding-window attention is not available in megazero (use_sliding_window false, "
                          "every layer full attention, converts)")
@@ -47,6 +50,5 @@ def qwen2_config(config, llama: dict) -> dict:
     if bad:
         raise ValueError(f"{QWEN2_ARCHS['qwen2']} export needs: {', '.join(bad)}")
     out = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
-    out.update(architectures=[QWEN2_ARCHS["qwen2"]], model_type="qwen2", use_sliding_window=False,
-               sliding_window=None, max_window_layers=config.num_layers)
+    out.update(architectures=[QWEN2_ARCHS["qwen2"]], model_type="qwen2", **window_keys(config, "qwen2"))
     return out

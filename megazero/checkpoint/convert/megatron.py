@@ -70,6 +70,7 @@ LAYER_SUFFIX = {  # Megatron layer-local suffix -> megazero layer suffix (legacy
     "pre_mlp_layernorm": "post_attention_norm", "mlp.linear_fc1.layer_norm": "post_attention_norm",
     "mlp.dense_h_to_4h": "mlp.fc1", "mlp.linear_fc1": "mlp.fc1",
     "mlp.dense_4h_to_h": "mlp.fc2", "mlp.linear_fc2": "mlp.fc2",
+    "self_attention.q_layernorm": "attention.q_norm", "self_attention.k_layernorm": "attention.k_norm",  # --qk-layernorm
 }
 GLOBAL_NAMES = {
     "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
@@ -170,7 +171,7 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None, family: st
                                     ("apply_residual_connection_post_layernorm",
                                      a.get("apply_residual_connection_post_layernorm")),
                                     ("squared_relu", a.get("squared_relu")), ("quick_geglu", a.get("quick_geglu")),
-                                    ("qk_layernorm", a.get("qk_layernorm")))
+                                    ("window_attn_skip_freq", a.get("window_attn_skip_freq") is not None))
                    if bad]
     if a.get("position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope"):
         unsupported.append(f"position_embedding_type {a['position_embedding_type']}")
@@ -195,6 +196,7 @@ def config_from_megatron_args(a: dict, vocab_size: int | None = None, family: st
              "norm_epsilon": a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5)),
              "add_bias_linear": a.get("add_bias_linear", True), "add_qkv_bias": bool(a.get("add_qkv_bias")),
              "untie_embeddings_and_output_weights": a.get("untie_embeddings_and_output_weights", False),
+             "qk_layernorm": bool(a.get("qk_layernorm")), "window_size": a.get("window_size"),
              "params_dtype": str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else dtype,
              **moe.moe_args(a)}
     saved["max_position_embeddings"] = saved["max_position_embeddings"] or saved["seq_length"]
