@@ -22,6 +22,7 @@ from megazero.tensor_parallel.spec import tp_duplicated_params
 
 from megazero.context_parallel.chunks import slice_for_rank
 from .gpt import WORD_EMBEDDING
+from .mtp import MTP_EMBEDDING
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,16 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
     shape = pipeline_tensor_shape(config.seq_length // topo.cp, micro_batch_size, config.hidden_size, topo.tp,
                                   config.sequence_parallel)  # a CP rank's chunks of the sequence
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
+    if config.mtp_num_layers:  # the last stage's copy of the embedding for multi-token prediction
+        aliases[MTP_EMBEDDING] = WORD_EMBEDDING
     return ModelStages(chunks=chunks, activation_shape=shape, activation_dtype=config.params_dtype,
                        shared_params=shared_embedding_params(chunks, topo),
                        tp_duplicated_params=tp_duplicated_params(chunks, topo.tp),
                        rng_states=[chunk.rng for chunk in chunks], aliases=aliases,
                        param_init=param_initializer(chunks) if meta else None,
                        forward_step=gpt_forward_step,
-                       input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
+                       input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions,
+                                               bool(config.mtp_num_layers)),
                        decoupled_lr_params=embedding_and_output_params(chunks),
                        fuse_vocab_grads=VocabGradFusion(chunks),
                        expert_params=expert_parallel_params(chunks), moe=chunks[0].moe_state)
@@ -181,6 +185,8 @@ class GPTInputKeys:
     first_stage: bool
     last_stage: bool
     rope: bool
+    mtp: bool = False  # multi-token prediction: the last stage embeds the tokens too
+
 
     def __call__(self, per_document: frozenset) -> frozenset:
         keys = {"attention_mask"} & per_document
@@ -189,7 +195,7 @@ class GPTInputKeys:
         if self.first_stage:
             keys |= {"tokens", "position_ids"}
         if self.last_stage:
-            keys |= {"labels", "loss_mask"}
+            keys |= {"labels", "loss_mask"} | ({"tokens"} if self.mtp else set())
         return frozenset(keys)
 
 
@@ -247,6 +253,8 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     extra = {"attention_mask": micro_batch["attention_mask"]} if "attention_mask" in micro_batch else {}
     if not getattr(chunk, "post_process", False):
         return chunk(x, position_ids=micro_batch.get("position_ids"), **extra)
+    if getattr(chunk, "mtp", None) is not None:  # multi-token prediction reads the tokens and the mask
+        extra.update(tokens=micro_batch["tokens"], loss_mask=micro_batch.get("loss_mask"))
     losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"], **extra)
     mask = micro_batch.get("loss_mask")
     if cp == 1:

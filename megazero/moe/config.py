@@ -177,8 +177,10 @@ class MoEConfig:
         return sum(self.layer_pattern)
 
     def is_moe(self, layer_number: int) -> bool:
-        """Whether global layer ``layer_number`` (0-based) is an MoE layer."""
-        return bool(self.layer_pattern[layer_number])
+        """Whether global layer ``layer_number`` (0-based) is an MoE layer. Numbers past the decoder
+        are multi-token-prediction layers (:mod:`megazero.model.mtp`), which follow the last
+        decoder layer (megatron-core 0.16.1 ``get_gpt_mtp_block_spec`` uses ``layer_specs[-1]``)."""
+        return bool(self.layer_pattern[min(layer_number, len(self.layer_pattern) - 1)])
 
     def coeff(self, kind: str) -> float:
         """The aux-loss coefficient of load-balancing type ``kind`` (0 when not enabled)."""

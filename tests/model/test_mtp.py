@@ -1,0 +1,89 @@
+"""Multi-token prediction (megazero.model.mtp): the math against explicit shifts, and every
+layout (PP 2, TP 2 with SP, MoE at PP 2 x EP 2) = one process, the MTP losses included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megazero.model import GPTModel
+from megazero.parallel.topology import Topology
+from megazero.testing import run_distributed
+from tests.moe.helpers import args_for, gpt_batches, moe_config, reference, train
+
+DENSE = dict(num_experts=None, normalization="RMSNorm", position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+
+
+def _explicit(model, tokens, labels, c, D):
+    """``lm + (c / D) sum_k L_k`` by slicing: depth k sees positions ``i < s - k``, embeds
+    ``t[i + k]`` and predicts ``labels[i + k]`` (no roll, no mask)."""
+    s = tokens.shape[1]
+    pos = torch.arange(s).expand_as(tokens)
+    from megazero.model.attention import rope_cos_sin
+    h = model.embedding(tokens, pos)
+    rope = rope_cos_sin(pos, model.config.kv_channels, model.config.rotary_base, torch.float32)
+    for layer in model.layers.values():
+        h = layer(h, rope)
+    h = model.final_norm(h)
+    logits = model.output_layer(h)
+    total = F.cross_entropy(logits[..., :model.config.vocab_size].flatten(0, 1), labels.t().flatten())
+    for k, mtp in enumerate(model.mtp.layers, start=1):
+        n = s - k
+        e = model.embedding(tokens[:, k:], pos[:, :n])
+        rope_n = rope_cos_sin(pos[:, :n], model.config.kv_channels, model.config.rotary_base, torch.float32)
+        h = mtp(h[:n], e, rope_n)
+        logits = model.output_layer(h)[..., :model.config.vocab_size]
+        total = total + (c / D) * F.cross_entropy(logits.flatten(0, 1), labels[:, k:].t().flatten())
+    return total
+
+
+def test_equals_explicit_shifts_and_gradient():
+    torch.manual_seed(0)
+    model = GPTModel(moe_config(**DENSE, seq_length=8))
+    model.moe_state.set_aux_scale(1.0)
+    text = torch.randint(0, 40, (2, 9))
+    tokens, labels = text[:, :-1], text[:, 1:]
+    lm = model(tokens, labels=labels).mean()
+    lm.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = _explicit(model, tokens, labels, 0.3, 2)
+    want.backward()
+    mtp = model.moe_state.take()["mtp_loss"][:2]
+    torch.testing.assert_close(lm + 0.3 / 2 * mtp.sum(), want, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert any(n.startswith("mtp.layers.1.eh_proj") for n in got)
+
+
+def _layouts(rank, world, sizes, stages, data, overrides):
+    torch.set_num_threads(1)
+    topo = Topology(world, rank, **sizes).create_groups()
+    out = []
+    for stage in stages:
+        log = []
+        losses, _ = train(topo, data, args_for(stage, 2), mtp_log=log, **overrides)
+        out.append((losses, log))
+    return out
+
+
+@pytest.mark.parametrize("sizes,overrides", [
+    (dict(pp=2), DENSE),
+    (dict(tp=2), dict(DENSE, sequence_parallel=True)),
+    (dict(pp=2, ep=2), dict(mtp_num_layers=1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                            untie_embeddings_and_output_weights=True, position_embedding_type="rope")),
+], ids=["pp2", "tp2-sp", "moe-pp2-ep2"])
+def test_layout_equals_one_process(sizes, overrides):
+    dp = 4 // (sizes.get("tp", 1) * sizes.get("pp", 1))
+    data = gpt_batches(3, dp, 2)
+    ref_mtp = []
+    ref, _ = reference(data, mtp_log=ref_mtp, **{k: v for k, v in overrides.items() if k != "sequence_parallel"})
+    results = run_distributed(_layouts, 4, sizes, (1, 3), data, overrides, timeout_s=300)
+    for s in range(2):
+        losses = next(r[s][0] for r in results if r[s][0] is not None)
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
+        mtp = results[0][s][1]
+        assert min(min(x) for x in ref_mtp) > 1.0  # cross entropies of a 40-token vocabulary, recorded
+        assert max(abs(a - b) for x, y in zip(mtp, ref_mtp) for a, b in zip(x, y)) < 1e-5, (mtp, ref_mtp)
