@@ -1,0 +1,48 @@
+"""Multi-token prediction on the command line: Megatron-LM's ``--mtp-num-layers`` and
+``--mtp-loss-scaling-factor`` (megatron-core 0.16.1 ``TransformerConfig.mtp_num_layers`` /
+``mtp_loss_scaling_factor``, default 0.1; :mod:`megazero.model.mtp`) and the layouts that can
+place the MTP layers, each refused in one line before any process group:
+
+* context parallelism: the shifts of tokens, labels and mask cross CP ranks (Megatron's
+  ``roll_tensor`` exchanges the boundary) -- not here: ``--context-parallel-size 1``;
+* a pipeline (PP > 1) with tied embeddings or learned positions: the last stage holds a copy of
+  the word embedding (synced with the first stage's), which here is only possible for an untied
+  output layer and RoPE (the tied output layer already is that stage's copy, and position
+  embeddings would need a second one).
+
+``--mtp-standalone``, ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and
+``--mtp-hybrid-override-pattern`` stay refused (megatron_flags.tsv).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_mtp_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="D extra layers on the last stage predicting tokens t+2..t+D+1 (DeepSeek-V3's MTP)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="c: (c / D) x the sum of the D MTP losses joins the LM loss's gradient")
+
+
+def check_mtp(err, args) -> None:
+    """The checks of the module doc."""
+    D = getattr(args, "mtp_num_layers", None)
+    if D is None:
+        return
+    if D < 1:
+        err(f"--mtp-num-layers {D} must be >= 1 (omit it for no multi-token prediction)")
+        return
+    cp, pp = getattr(args, "context_parallel_size", 1) or 1, args.pipeline_model_parallel_size or 1
+    if cp > 1:
+        err(f"--mtp-num-layers {D} with --context-parallel-size {cp}: the MTP shifts of tokens, labels and loss "
+            "mask across CP ranks are not available; use --context-parallel-size 1")
+    if pp > 1 and not args.untie_embeddings_and_output_weights:
+        err(f"--mtp-num-layers {D} with --pipeline-model-parallel-size {pp} needs "
+            "--untie-embeddings-and-output-weights: the last stage's MTP embedding is a copy of the first "
+            "stage's, available here for an untied output layer only")
+    if pp > 1 and args.position_embedding_type != "rope":
+        err(f"--mtp-num-layers {D} with --pipeline-model-parallel-size {pp} needs --position-embedding-type rope "
+            f"(got {args.position_embedding_type}): the last stage would need a copy of the position embeddings")
