@@ -85,6 +85,9 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, config, tp_group, tracker, device, topo=None, moe_state=None, buffer_device=None,
                  embedding: nn.Module | None = None):
         super().__init__()
+        if embedding is not None and (config.tied_embeddings or config.learned_positions):
+            raise ValueError("multi-token prediction on a last pipeline stage without the embedding needs "
+                             "--untie-embeddings-and-output-weights and --position-embedding-type rope")
         self.config, self.tp_group, self.moe_state = config, tp_group, moe_state
         self.layers = nn.ModuleList([MTPLayer(config, d, tp_group, tracker, device, topo, moe_state, buffer_device)
                                      for d in range(config.mtp_num_layers)])

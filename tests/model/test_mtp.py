@@ -87,3 +87,21 @@ def test_layout_equals_one_process(sizes, overrides):
         mtp = results[0][s][1]
         assert min(min(x) for x in ref_mtp) > 1.0  # cross entropies of a 40-token vocabulary, recorded
         assert max(abs(a - b) for x, y in zip(mtp, ref_mtp) for a, b in zip(x, y)) < 1e-5, (mtp, ref_mtp)
+
+
+@pytest.mark.parametrize("pp,overrides", [(1, DENSE), (2, DENSE), (2, dict(mtp_num_layers=2, untie_embeddings_and_output_weights=True, position_embedding_type="rope"))],
+                         ids=["dense-pp1", "dense-pp2", "moe-pp2"])
+def test_planner_counts_mtp_layers(pp, overrides):
+    """The planner's parameters of the last pipeline rank = the built last stage's (MTP layers, their
+    norms and eh_proj, the embedding copy at PP 2; an MoE MTP layer's experts as experts)."""
+    from megazero import planner as plan
+    from megazero.model.stages import expert_parallel_params
+    shape = moe_config(**overrides)
+    L = shape.num_layers
+    model = GPTModel(shape, None, L - L // pp, L, pre_process=pp == 1, post_process=True)
+    dense, expert = plan.stage_param_split(shape, 1, pp, pp - 1)
+    experts = sum(p.numel() for p in expert_parallel_params([model]))
+    assert (dense, expert) == (sum(p.numel() for p in model.parameters()) - experts, experts)
+    assert plan.estimate(shape, 1, pp, 1, 0, micro_batch_size=1, micro_batches=2).activation_bytes > \
+        plan.estimate(moe_config(**dict(overrides, mtp_num_layers=None)), 1, pp, 1, 0, micro_batch_size=1,
+                      micro_batches=2).activation_bytes
