@@ -19,7 +19,9 @@ hold ``eod`` and are not counted); the loop ends when every row has stopped or a
 ``max_new_tokens`` steps. The decision depends only on the (shared) tokens, so all TP ranks run
 the same number of steps and collectives, whatever the rows do: no rank can deadlock.
 
-Prompts of different lengths are left-padded; :class:`InferenceCache` gives each row positions
+Prompts of different lengths are left-padded; the cache (:class:`InferenceCache`; a
+multi-latent-attention model's :class:`~megazero.inference.latent_cache.LatentCache` holds the
+compressed latent instead of K/V) gives each row positions
 counted from its first real token and hides the padding from attention, so a row's tokens equal
 those it gets alone (up to floating-point rounding of the batched kernels).
 ``use_cache=False`` recomputes the whole sequence every step (the reference, and a benchmark).
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from megazero.tensor_parallel.mappings import group_size
 
-from .cache import InferenceCache
+from .latent_cache import new_cache
 
 
 @dataclass
@@ -123,7 +125,7 @@ def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cach
     (``cache`` None) the whole sequence is recomputed, a fresh cache supplying only the
     positions and the attention mask."""
     if cache is None:
-        cache = InferenceCache(step_input.shape[0], step_input.shape[1], step_input.device)
+        cache = new_cache(model.config, step_input.shape[0], step_input.shape[1], step_input.device)
         cache.prepare(step_valid)
         return model(step_input, inference_cache=cache)
     cache.prepare(step_valid)
@@ -160,7 +162,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     out = torch.full((b, max_new_tokens), eod if eod is not None else 0, dtype=torch.long)
     done = torch.zeros(b, dtype=torch.bool)
     lengths = torch.zeros(b, dtype=torch.long)
-    cache = InferenceCache(b, tokens.shape[1] + max_new_tokens, device) if use_cache else None
+    cache = new_cache(model.config, b, tokens.shape[1] + max_new_tokens, device) if use_cache else None
     step_input, step_valid = tokens, valid
     t0 = time.perf_counter()
     prefill_s, steps = 0.0, 0

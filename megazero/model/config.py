@@ -19,6 +19,8 @@ import torch
 
 from megazero.moe.config import MOE_ARG_KEYS, MOE_SHAPE_KEYS, MoEConfig
 
+from .mla_config import MLA_ARG_KEYS, MLA_SHAPE_KEYS, mla_from_megatron, mla_problem, mla_to_args
+
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 # The model's arguments under Megatron's flag names (``dest`` form), as a checkpoint saves them.
@@ -26,8 +28,8 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "seq_length",
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-            "init_method_std", "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS + ("mtp_num_layers",
-                                                                                      "mtp_loss_scaling_factor")
+            "init_method_std", "seed", "params_dtype", "apply_layernorm_1p") + MOE_ARG_KEYS + MLA_ARG_KEYS + (
+                "mtp_num_layers", "mtp_loss_scaling_factor")
 # The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
 _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
                   "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
@@ -40,7 +42,7 @@ _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_voca
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
               "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-              "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS + ("mtp_num_layers",)
+              "untie_embeddings_and_output_weights") + MOE_SHAPE_KEYS + MLA_SHAPE_KEYS + ("mtp_num_layers",)
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -103,6 +105,21 @@ class GPTConfig:
     label_smoothing: float = 0.0
     moe: MoEConfig | None = None  # Mixture of Experts (megazero.moe.config); None: dense
     cp_comm_type: str = "p2p"  # attention across context-parallel ranks: "p2p" (ring) or "a2a" (Ulysses)
+    # Multi-latent attention (DeepSeek-V2/V3; model/mla.py has the math, model/mla_config.py the names,
+    # Megatron's defaults and checks). Off: none of the others is read.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: the query projected directly (no compression)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128  # per-head query/key part without position (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 64  # the decoupled RoPE part, one key shared by all heads (HF qk_rope_head_dim)
+    v_head_dim: int = 128
+    rope_type: str | None = None  # MLA: None or "yarn" (Megatron's MLA default) or "rope"
+    rotary_scaling_factor: float = 1.0  # YaRN's factor (HF rope_scaling.factor)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
     # -- multi-token prediction (megazero.model.mtp; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor)
     mtp_num_layers: int | None = None  # D extra layers predicting t+2..t+D+1 on the last stage; None: none
     mtp_loss_scaling_factor: float = 0.1  # c: (c / D) * sum of the D MTP losses joins the LM loss's gradient
@@ -131,6 +148,8 @@ class GPTConfig:
             raise ValueError(f"recompute_granularity {self.recompute_granularity!r} unknown")
         if self.cp_comm_type not in ("p2p", "a2a"):
             raise ValueError(f"--cp-comm-type {self.cp_comm_type!r}: megazero has p2p (ring) and a2a (Ulysses)")
+        if mla_problem(self) is not None:
+            raise ValueError(mla_problem(self))
         if self.moe is not None and len(self.moe.layer_pattern) != self.num_layers:
             raise ValueError(f"the MoE layer pattern has {len(self.moe.layer_pattern)} entries for "
                              f"{self.num_layers} layers")
@@ -190,7 +209,7 @@ class GPTConfig:
     def check_tp(self, tp: int, etp: int = 1) -> None:
         """Raise unless the TP-split sizes divide by ``tp`` (the experts' by ``etp``, the
         expert-tensor-parallel size)."""
-        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):  # MLA: heads split per rank
             if getattr(self, name) % tp:
                 raise ValueError(f"{name} {getattr(self, name)} is not divisible by TP {tp}")
         if self.moe is not None:
@@ -226,7 +245,7 @@ class GPTConfig:
         return cls(vocab_size=vocab, padded_vocab_size=padded_vocab_size, activation=activation,
                    apply_layernorm_1p=bool(given.get("apply_layernorm_1p", False)),
                    sequence_parallel=bool(given.get("sequence_parallel", False)), moe=moe,
-                   cp_comm_type=cp_comm, **kwargs)
+                   cp_comm_type=cp_comm, **mla_from_megatron(given), **kwargs)
 
     @classmethod
     def from_saved_args(cls, saved: dict, **overrides) -> "GPTConfig":
@@ -261,7 +280,7 @@ class GPTConfig:
                 "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
                 "init_method_std": self.init_method_std, "seed": self.seed,
                 "params_dtype": str(self.params_dtype).replace("torch.", ""),
-                **(self.moe.to_args() if self.moe is not None else {"num_experts": None}),
+                **(self.moe.to_args() if self.moe is not None else {"num_experts": None}), **mla_to_args(self),
                 "mtp_num_layers": self.mtp_num_layers, "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor}
 
 

@@ -42,6 +42,7 @@ from .config import GPTConfig
 from megazero.context_parallel.chunks import positions_for_rank
 from .attention import rope_cos_sin
 from .mtp import MTP_EMBEDDING, MultiTokenPrediction
+from .yarn import mla_rope_cos_sin
 from .transformer import Norm, TransformerLayer
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -178,7 +179,9 @@ class GPTModel(nn.Module):
             position_ids = positions.unsqueeze(0).expand(b, s)
         hidden = self.embedding(x, position_ids) if self.pre_process else x
         rope = None
-        if self.config.position_embedding_type == "rope":
+        if self.config.multi_latent_attention:  # MLA's decoupled RoPE part (YaRN): model/yarn.py
+            rope = mla_rope_cos_sin(position_ids, self.config, self.config.params_dtype)
+        elif self.config.position_embedding_type == "rope":
             rope = rope_cos_sin(position_ids, self.config.kv_channels, self.config.rotary_base,
                                 self.config.params_dtype)
         if inference_cache is not None:

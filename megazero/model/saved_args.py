@@ -5,7 +5,8 @@
   shapes (:data:`~megazero.model.config.SHAPE_KEYS`): the activation (``openai_gelu``: tanh GELU,
   ``swiglu``), the normalization and its epsilon and ``apply_layernorm_1p``, the positions and the
   rotary base, the biases (``add_bias_linear``, ``add_qkv_bias``), the tying of the output layer,
-  the query groups (GQA), and the MoE router's choices. A load compares them
+  the query groups (GQA), the MoE router's choices, and multi-latent attention's sizes (shape keys)
+  and RoPE (``rope_type``, YaRN's factor, mscales, original length and betas). A load compares them
   (:func:`model_arg_diffs`) and refuses any difference: a flag left at its default that the
   checkpoint recorded otherwise (an imported GPT-2 without ``--openai-gelu``) would otherwise
   train another function silently.
@@ -28,7 +29,9 @@ from .config import SHAPE_KEYS
 
 MODEL_KEYS = SHAPE_KEYS + ("openai_gelu", "rotary_base", "norm_epsilon", "apply_layernorm_1p", "moe_router_topk",
                            "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-                           "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias")
+                           "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+                           "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                           "original_max_position_embeddings", "beta_fast", "beta_slow")
 
 CHECKPOINT_ARGS_IF_UNSET = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
                             "kv_channels", "max_position_embeddings")

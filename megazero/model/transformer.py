@@ -10,7 +10,8 @@ row-parallel linear) and one in backward (``f`` before the column-parallel linea
 all-gather + reduce-scatter pair in each direction instead (same volume, activations between
 regions stored ``1/p`` as large).
 
-Attention is :mod:`.attention`'s (RoPE, GQA, the context-parallel paths), the MLP :mod:`.mlp`'s,
+Attention is :mod:`.attention`'s (RoPE, GQA, the context-parallel paths) or, with
+``multi_latent_attention``, :mod:`.mla`'s, the MLP :mod:`.mlp`'s,
 an MoE block :mod:`megazero.moe.layer`'s.
 
 Sequence parallelism: a norm's parameters are replicated while its input is split along the
@@ -31,6 +32,7 @@ from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 
 from .attention import Attention
 from .config import GPTConfig
+from .mla import MultiLatentAttention
 from .mlp import MLP
 
 
@@ -84,7 +86,8 @@ class TransformerLayer(nn.Module):
         # hidden dropout acts on split activations under SP (different tokens per rank)
         self.dropout_rng = TENSOR_PARALLEL if sp else REPLICATED
         self.input_norm = Norm(config, tp_group, sp, device)
-        self.attention = Attention(config, layer_number, tp_group, tracker, device, topo)
+        attention = MultiLatentAttention if config.multi_latent_attention else Attention  # MLA: model/mla.py
+        self.attention = attention(config, layer_number, tp_group, tracker, device, topo)
         self.post_attention_norm = Norm(config, tp_group, sp, device)
         if config.moe is not None and config.moe.is_moe(layer_number):
             shared = None
