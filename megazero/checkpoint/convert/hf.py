@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from megazero.model.config import GPTConfig
+from megazero.model.config import GPTConfig, replace_config  # noqa: F401 (the converter uses replace_config)
 from .hf_files import WEIGHT_FILES, hf_weights, read_hf_folder  # noqa: F401 (the converter's names)
 from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
                      moe_layer_map, unfuse_experts)

@@ -171,7 +171,7 @@ def mtp_copies(full_state: dict, config) -> dict:
     """The HF copies DeepSeek's MTP layers carry (``model.layers.{L+k}.embed_tokens`` and
     ``shared_head.head``), from ``full_state``'s embedding and head (what it holds of them)."""
     out, L = {}, config.num_layers
-    head = full_state.get("output_layer.weight", full_state.get("embedding.word_embeddings.weight"))
+    head = full_state.get("embedding.word_embeddings.weight" if config.tied_embeddings else "output_layer.weight")
     for k in range(config.mtp_num_layers or 0):
         if "embedding.word_embeddings.weight" in full_state:
             out[f"model.layers.{L + k}.embed_tokens.weight"] = full_state["embedding.word_embeddings.weight"]
