@@ -114,8 +114,7 @@ def _stream_hf(reader, config, arch: str, kind: str, dtype: torch.dtype, path: s
         if config.tied_embeddings:
             out.pop("lm_head.weight", None)
         return out
-    names = reader.param_names() + [n for n in hfmap.name_map(arch, config)
-                                    if n.endswith("expert_bias") and reader.has_buffer(n)]  # DeepSeek's bias
+    names = reader.param_names() + hfmap.saved_buffers(reader, arch, config)  # DeepSeek's correction bias
     specs = [item for name in names for item in hf_of(name, reader.full_meta(name, kind).to(dtype)).items()]
     with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as writer:
         for name in names:
@@ -158,12 +157,7 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
     if c.moe is not None:  # Megatron's MoE flags
         from megazero.checkpoint.convert.megatron_moe import moe_flags
         flags += moe_flags(c.moe)
-    if c.multi_latent_attention:  # Megatron's MLA flags (the ones that differ from its defaults)
-        from megazero.model.mla_config import MLA_DEFAULTS, mla_to_args
-        flags += [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v:g}" if isinstance(v, float) else f" {v}")
-                  for k, v in mla_to_args(c).items() if v != MLA_DEFAULTS[k] and v is not None]
-    if c.mtp_num_layers:
-        flags.append(f"--mtp-num-layers {c.mtp_num_layers} --mtp-loss-scaling-factor {c.mtp_loss_scaling_factor:g}")
+    flags += hfmap.mla_mtp_flags(c)  # DeepSeek-V3's: Megatron's MLA and MTP flags
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
     return " ".join(flags)
@@ -225,10 +219,7 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
         print(f"note: {config_path}: embd_pdrop {cfg.get('embd_pdrop', 0.1)} differs from resid_pdrop "
               f"{cfg.get('resid_pdrop', 0.1)}; Megatron's --hidden-dropout ({config.hidden_dropout:g}) drops both")
     get, have = hfmap.hf_weights(hf_dir)
-    if config.mtp_num_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in have:
-        print(f"note: {config_path} has num_nextn_predict_layers {config.mtp_num_layers} but the folder no MTP "
-              "weights (transformers' DeepseekV3ForCausalLM saves none): imported without MTP")
-        config = hfmap.replace_config(config, mtp_num_layers=None)
+    config = hfmap.without_missing_mtp(config, have, config_path)
     mapping = hfmap.name_map(arch, config)
 
     def full_tensor(name):

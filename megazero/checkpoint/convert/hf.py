@@ -37,12 +37,13 @@ import os
 
 import torch
 
-from megazero.model.config import GPTConfig, replace_config  # noqa: F401 (the converter uses replace_config)
+from megazero.model.config import GPTConfig
 from .hf_files import WEIGHT_FILES, hf_weights, read_hf_folder  # noqa: F401 (the converter's names)
 from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe_arch_of_config, moe_fields,
                      moe_layer_map, unfuse_experts)
 from .hf_qwen2 import QWEN2_ARCHS, qwen2_config, qwen2_fields
-from .hf_deepseek import DEEPSEEK_ARCHS, deepseek_fields, deepseek_hf_config, deepseek_name_map, mtp_copies
+from .hf_deepseek import (DEEPSEEK_ARCHS, deepseek_fields, deepseek_hf_config, deepseek_name_map, mla_mtp_flags,  # noqa: F401
+                          mtp_copies, saved_buffers, without_missing_mtp)
 
 ARCHS = ("gpt2", "llama", "qwen2") + tuple(MOE_ARCHS) + tuple(DEEPSEEK_ARCHS)
 

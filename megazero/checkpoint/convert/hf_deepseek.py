@@ -46,6 +46,7 @@ dense last layer (transformers' MTP layers are always MoE, megazero's follow the
 
 from __future__ import annotations
 
+from megazero.model.config import replace_config
 from megazero.moe.config import MoEConfig
 
 DEEPSEEK_ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -212,3 +213,34 @@ def deepseek_hf_config(config, llama: dict) -> dict:
                routed_scaling_factor=moe.topk_scaling_factor or 1.0, norm_topk_prob=moe.router_topk > 1,
                first_k_dense_replace=moe.layer_pattern.index(1), num_nextn_predict_layers=c.mtp_num_layers or 0)
     return out
+
+
+# ---- the converter tool's pieces (tools/convert_checkpoint.py) ---------------------------------------
+def mla_mtp_flags(config) -> list[str]:
+    """Megatron's MLA flags that differ from its defaults, and the MTP flags, of ``config``."""
+    from megazero.model.mla_config import MLA_DEFAULTS, mla_to_args
+    out = []
+    if config.multi_latent_attention:
+        out += [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v:g}" if isinstance(v, float) else f" {v}")
+                for k, v in mla_to_args(config).items() if v != MLA_DEFAULTS[k] and v is not None]
+    if config.mtp_num_layers:
+        out.append(f"--mtp-num-layers {config.mtp_num_layers} "
+                   f"--mtp-loss-scaling-factor {config.mtp_loss_scaling_factor:g}")
+    return out
+
+
+def without_missing_mtp(config, have, config_path: str):
+    """``config`` without MTP when the folder (its tensor names ``have``) holds no MTP weights though
+    the config counts some (transformers' ``save_pretrained`` writes none), saying so."""
+    if config.mtp_num_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in have:
+        print(f"note: {config_path} has num_nextn_predict_layers {config.mtp_num_layers} but the folder no MTP "
+              "weights (transformers' DeepseekV3ForCausalLM saves none): imported without MTP")
+        return replace_config(config, mtp_num_layers=None)
+    return config
+
+
+def saved_buffers(reader, arch: str, config) -> list[str]:
+    """The persistent buffers an HF export writes (the routers' expert bias) that ``reader`` holds."""
+    if arch not in DEEPSEEK_ARCHS:
+        return []
+    return [n for n in deepseek_name_map(config) if n.endswith("expert_bias") and reader.has_buffer(n)]
