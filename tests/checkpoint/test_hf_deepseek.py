@@ -77,6 +77,9 @@ def _check(rank, world, case):
         assert load_hf(model, state) == []
         with torch.no_grad():
             errors[f"ep{ep} logits"] = _rel(model(ids)[..., :VOCAB], ref)
+        back, hub = to_hf_state_dict(model), unfuse_experts(state, "deepseek_v3")  # every expert, MTP's too
+        errors[f"ep{ep} roundtrip"] = float(not set(hub) <= set(back) or any(not torch.equal(back[k], hub[k])
+                                                                               for k in hub))
         got = generate(model, ids[:, :6].tolist(), NEW, eod=EOD, group=torch.distributed.group.WORLD).tokens
         errors[f"ep{ep} generate"] = float(got != tokens)
     return errors

@@ -43,7 +43,7 @@ from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe
                      moe_layer_map, unfuse_experts)
 from .hf_qwen2 import QWEN2_ARCHS, qwen2_config, qwen2_fields
 from .hf_deepseek import (DEEPSEEK_ARCHS, deepseek_fields, deepseek_hf_config, deepseek_name_map, mla_mtp_flags,  # noqa: F401
-                          mtp_copies, saved_buffers, without_missing_mtp)
+                          gather_mtp_experts, mtp_copies, saved_buffers, without_missing_mtp)
 
 ARCHS = ("gpt2", "llama", "qwen2") + tuple(MOE_ARCHS) + tuple(DEEPSEEK_ARCHS)
 
@@ -238,7 +238,7 @@ def to_hf_state_dict(model, arch: str | None = None, fused_experts: bool = False
     Hub's per-expert names, or ``fused_experts`` as transformers >= 5 holds them in memory."""
     arch = arch or arch_of_config(model.config)
     full = dict(model.full_state_dict(), **{k: v for k, v in model.state_dict().items() if k.endswith("expert_bias")})
-    out = full_to_hf(gather_experts(model, full), model.config, arch)
+    out = full_to_hf(gather_mtp_experts(model, gather_experts(model, full)), model.config, arch)
     moe_arch = arch in MOE_ARCHS or arch in DEEPSEEK_ARCHS
     return fuse_experts(out, arch, model.config.moe) if fused_experts and moe_arch else out
 

@@ -46,8 +46,12 @@ dense last layer (transformers' MTP layers are always MoE, megazero's follow the
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from megazero.model.config import replace_config
 from megazero.moe.config import MoEConfig
+from megazero.tensor_parallel.mappings import group_rank, group_size
 
 DEEPSEEK_ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 _ATTN = {"q_down": "q_a_proj", "q_norm": "q_a_layernorm", "q_up": "q_b_proj", "q_proj": "q_proj",
@@ -244,3 +248,26 @@ def saved_buffers(reader, arch: str, config) -> list[str]:
     if arch not in DEEPSEEK_ARCHS:
         return []
     return [n for n in deepseek_name_map(config) if n.endswith("expert_bias") and reader.has_buffer(n)]
+
+
+def gather_mtp_experts(model, full: dict) -> dict:
+    """``full`` with every EP rank's routed experts of the MTP layers added (each broadcast from its
+    owner over the EP group, as :func:`~megazero.checkpoint.convert.hf_moe.gather_experts` does for
+    the decoder's); nothing to do at EP 1 or without MTP layers on this slice."""
+    c, moe = model.config, model.config.moe
+    group = model.topo.expert_group("ep") if getattr(model, "topo", None) is not None else None
+    if moe is None or getattr(model, "mtp", None) is None or group_size(group) == 1:
+        return full
+    per, me, out = moe.num_experts // group_size(group), group_rank(group), dict(full)
+    shapes = {"fc1": ((2 if c.swiglu else 1) * moe.ffn_hidden_size, c.hidden_size),
+              "fc2": (c.hidden_size, moe.ffn_hidden_size)}
+    for k in range(c.mtp_num_layers):
+        if not moe.is_moe(c.num_layers + k):
+            continue
+        for e in range(moe.num_experts):
+            for w, shape in shapes.items():
+                name = f"mtp.layers.{k}.transformer_layer.mlp.experts.{e}.{w}.weight"
+                t = full[name] if e // per == me else torch.empty(shape, dtype=c.params_dtype, device=model.device)
+                dist.broadcast(t, dist.get_global_rank(group, e // per), group=group)
+                out[name] = t
+    return out
