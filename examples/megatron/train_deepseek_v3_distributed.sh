@@ -5,8 +5,10 @@
 # --moe-router-topk-scaling-factor, --moe-shared-expert-intermediate-size, --moe-layer-freq with the
 # first layer dense, --mtp-num-layers, --mtp-loss-scaling-factor), sizes shrunk to a CPU run:
 # 4 layers x 64 (layer 0 dense), 8 experts in 4 groups, top-4 within 2 groups, one MTP layer,
-# TP 2 (SP) x EP 2 x PP 2 on 8 ranks (DP 2). Attention is standard GQA attention with RoPE, not
-# multi-latent attention. --mock-data instead of a tokenizer and corpus.
+# TP 2 (SP) x EP 2 x PP 2 on 8 ranks (DP 2). Multi-latent attention with DeepSeek-V3's flags
+# (--multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
+# --v-head-dim, YaRN --rotary-scaling-factor / --mscale / --mscale-all-dim), ranks shrunk.
+# --mock-data instead of a tokenizer and corpus.
 #   bash examples/megatron/train_deepseek_v3_distributed.sh CHECKPOINT_PATH [TRAIN_ITERS]
 # Run it twice with the same CHECKPOINT_PATH: the second run resumes (optimizer, RNG, expert bias)
 # at the iteration the first one saved.
@@ -26,8 +28,16 @@ MODEL_ARGS=(
     --hidden-size 64
     --ffn-hidden-size 96
     --num-attention-heads 4
-    --group-query-attention
-    --num-query-groups 2
+    --multi-latent-attention
+    --q-lora-rank 32
+    --kv-lora-rank 16
+    --qk-head-dim 16
+    --qk-pos-emb-head-dim 8
+    --v-head-dim 16
+    --rope-type yarn
+    --rotary-scaling-factor 4
+    --mscale 1.0
+    --mscale-all-dim 1.0
     --init-method-std 0.02
     --attention-dropout 0.0
     --hidden-dropout 0.0
