@@ -11,9 +11,17 @@ from megazero.model import GPTModel
 from megazero.parallel.topology import Topology
 from megazero.testing import run_distributed
 from tests.moe.helpers import args_for, gpt_batches, moe_config, reference, train
+from tests.moe.test_equivalence import DSV3
 
 DENSE = dict(num_experts=None, normalization="RMSNorm", position_embedding_type="rope",
              untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+
+
+# DeepSeek-V3 in small: MLA (q and kv latents, YaRN), the sigmoid group-limited MoE (tests/moe), one MTP layer
+DSV3_MLA = dict(DSV3, normalization="RMSNorm", position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+                v_head_dim=4, rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                original_max_position_embeddings=4, mtp_num_layers=1)
 
 
 def _explicit(model, tokens, labels, c, D):
@@ -74,7 +82,8 @@ def _layouts(rank, world, sizes, stages, data, overrides):
     (dict(tp=2), dict(DENSE, sequence_parallel=True)),
     (dict(pp=2, ep=2), dict(mtp_num_layers=1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                             untie_embeddings_and_output_weights=True, position_embedding_type="rope")),
-], ids=["pp2", "tp2-sp", "moe-pp2-ep2"])
+    (dict(tp=2, ep=2), dict(DSV3_MLA, sequence_parallel=True)),
+], ids=["pp2", "tp2-sp", "moe-pp2-ep2", "dsv3-mla-tp2-sp-ep2"])
 def test_layout_equals_one_process(sizes, overrides):
     dp = 4 // (sizes.get("tp", 1) * sizes.get("pp", 1))
     data = gpt_batches(3, dp, 2)
