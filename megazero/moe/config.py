@@ -17,7 +17,9 @@ softmax scores -- ``top-k(logits)`` then a softmax over the k (``pre_softmax`` F
 ``top-k(softmax(logits))`` (``pre_softmax`` True, Qwen-MoE and DeepSeek); sigmoid scores --
 ``top-k(sigmoid(logits) + expert_bias)`` picks, the sigmoids (without bias) normalized over the
 k are the weights. Group-limited routing keeps per token the ``router_group_topk`` expert groups
-whose top ``k / group_topk`` scores sum highest. ``topk_scaling_factor`` multiplies the weights.
+whose top ``k / group_topk`` scores sum highest (megatron-core 0.16.1 ``group_limited_topk``;
+transformers 5.24.0's ``DeepseekV3TopkRouter`` sums the top 2, the same rule when
+``k / group_topk = 2`` as in DeepSeek-V3: docs/moe.md). ``topk_scaling_factor`` multiplies the weights.
 """
 
 from __future__ import annotations

@@ -40,3 +40,12 @@ def test_mtp_layouts_refused_in_one_line(capsys, extra, needle):
 ])
 def test_bad_expert_groups_refused_in_one_line(capsys, extra, needle):
     assert needle in refused(capsys, MOE + ["--moe-router-score-function", "sigmoid"] + extra)
+
+
+def test_a_load_with_other_mtp_layers_is_refused_naming_the_flag():
+    """``mtp_num_layers`` fixes weight shapes: a checkpoint's recorded value must equal the run's."""
+    from megazero.model.saved_args import MODEL_KEYS, model_arg_diffs
+    assert "mtp_num_layers" in MODEL_KEYS
+    saved = build_configs(parse(BASE + ROPE + ["--mtp-num-layers", "1"])).model.to_args()
+    now = build_configs(parse(BASE + ROPE)).model.to_args()
+    assert model_arg_diffs(saved, now) == ["--mtp-num-layers: command line None, checkpoint 1"]
