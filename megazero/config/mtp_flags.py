@@ -5,6 +5,8 @@ place the MTP layers, each refused in one line before any process group:
 
 * context parallelism: the shifts of tokens, labels and mask cross CP ranks (Megatron's
   ``roll_tensor`` exchanges the boundary) -- not here: ``--context-parallel-size 1``;
+* ``--calculate-per-token-loss``: Megatron then weighs each depth's loss *sum* by the LM loss's
+  token count (``MTPLossAutoScaler`` without ``/ num_tokens``), not each depth's own mean;
 * a pipeline (PP > 1) with tied embeddings or learned positions: the last stage holds a copy of
   the word embedding (synced with the first stage's), which here is only possible for an untied
   output layer and RoPE (the tied output layer already is that stage's copy, and position
@@ -39,6 +41,10 @@ def check_mtp(err, args) -> None:
     if cp > 1:
         err(f"--mtp-num-layers {D} with --context-parallel-size {cp}: the MTP shifts of tokens, labels and loss "
             "mask across CP ranks are not available; use --context-parallel-size 1")
+    if getattr(args, "calculate_per_token_loss", False):
+        err(f"--mtp-num-layers {D} with --calculate-per-token-loss: Megatron then scales each MTP loss sum by the "
+            "LM loss's token count, which is not available here; drop --calculate-per-token-loss (the same LM loss "
+            "here: every micro-batch has the same token count)")
     if pp > 1 and not args.untie_embeddings_and_output_weights:
         err(f"--mtp-num-layers {D} with --pipeline-model-parallel-size {pp} needs "
             "--untie-embeddings-and-output-weights: the last stage's MTP embedding is a copy of the first "

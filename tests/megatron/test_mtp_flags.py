@@ -27,6 +27,7 @@ def test_flags_reach_the_config_and_checkpoint_args():
      "needs --position-embedding-type rope (got learned_absolute)"),
     (ROPE + ["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--mtp-use-repeated-layer"], "--mtp-use-repeated-layer"),
+    (["--mtp-num-layers", "1", "--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_mtp_layouts_refused_in_one_line(capsys, extra, needle):
     assert needle in refused(capsys, BASE + extra)
