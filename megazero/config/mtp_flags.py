@@ -3,14 +3,15 @@
 ``mtp_loss_scaling_factor``, default 0.1; :mod:`megazero.model.mtp`) and the layouts that can
 place the MTP layers, each refused in one line before any process group:
 
+* learned absolute positions: Megatron-LM's ``validate_args`` (megatron/training/arguments.py,
+  core_v0.16.x) allows MTP with ``--position-embedding-type rope`` (or none) only;
 * context parallelism: the shifts of tokens, labels and mask cross CP ranks (Megatron's
   ``roll_tensor`` exchanges the boundary) -- not here: ``--context-parallel-size 1``;
 * ``--calculate-per-token-loss``: Megatron then weighs each depth's loss *sum* by the LM loss's
   token count (``MTPLossAutoScaler`` without ``/ num_tokens``), not each depth's own mean;
-* a pipeline (PP > 1) with tied embeddings or learned positions: the last stage holds a copy of
-  the word embedding (synced with the first stage's), which here is only possible for an untied
-  output layer and RoPE (the tied output layer already is that stage's copy, and position
-  embeddings would need a second one).
+* a pipeline (PP > 1) with tied embeddings: the last stage holds a copy of the word embedding
+  (synced with the first stage's), which here is only possible for an untied output layer (the
+  tied output layer already is that stage's copy).
 
 ``--mtp-standalone``, ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and
 ``--mtp-hybrid-override-pattern`` stay refused (megatron_flags.tsv).
@@ -49,6 +50,6 @@ def check_mtp(err, args) -> None:
         err(f"--mtp-num-layers {D} with --pipeline-model-parallel-size {pp} needs "
             "--untie-embeddings-and-output-weights: the last stage's MTP embedding is a copy of the first "
             "stage's, available here for an untied output layer only")
-    if pp > 1 and args.position_embedding_type != "rope":
-        err(f"--mtp-num-layers {D} with --pipeline-model-parallel-size {pp} needs --position-embedding-type rope "
-            f"(got {args.position_embedding_type}): the last stage would need a copy of the position embeddings")
+    if args.position_embedding_type != "rope":
+        err(f"--mtp-num-layers {D} needs --position-embedding-type rope (got {args.position_embedding_type}), as in "
+            "Megatron-LM")

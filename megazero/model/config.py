@@ -155,6 +155,8 @@ class GPTConfig:
                              f"{self.num_layers} layers")
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} must be >= 1 (omit it for no MTP)")
+        if self.mtp_num_layers and self.position_embedding_type != "rope":
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope, as in Megatron-LM")
         if self.moe is not None and self.add_bias_linear:
             raise ValueError("MoE experts have no biases (Megatron's grouped experts refuse them): "
                              "pass --disable-bias-linear")

@@ -7,8 +7,8 @@ hidden states the main logits come from), ``t`` the input tokens and ``roll(x)``
 ``[b, s]`` tensor one position to the left with a 0 in the last position (Megatron's
 ``roll_tensor`` at CP 1), depth ``k = 1..D`` computes::
 
-    t_k    = roll^k(t)            positions p_k = roll^k(p)       (learned positions only)
-    e_k    = Emb(t_k, p_k)                                        # the shared embedding (and its dropout)
+    t_k    = roll^k(t)
+    e_k    = Emb(t_k)                                             # the shared embedding (and its dropout)
     x_k    = W_k [enorm_k(e_k); hnorm_k(h_{k-1})]                 # eh_proj, W_k [h, 2h]: embedding first
     h_k    = final_norm_k(Layer_k(x_k))                           # one transformer layer, the same RoPE
     L_k    = sum_i m_k[i] CE(Out(h_k)[i], roll^k(y)[i]) / sum_i m_k[i],   m_k = roll^k(loss_mask)
@@ -85,9 +85,9 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, config, tp_group, tracker, device, topo=None, moe_state=None, buffer_device=None,
                  embedding: nn.Module | None = None):
         super().__init__()
-        if embedding is not None and (config.tied_embeddings or config.learned_positions):
+        if embedding is not None and config.tied_embeddings:
             raise ValueError("multi-token prediction on a last pipeline stage without the embedding needs "
-                             "--untie-embeddings-and-output-weights and --position-embedding-type rope")
+                             "--untie-embeddings-and-output-weights")
         self.config, self.tp_group, self.moe_state = config, tp_group, moe_state
         self.layers = nn.ModuleList([MTPLayer(config, d, tp_group, tracker, device, topo, moe_state, buffer_device)
                                      for d in range(config.mtp_num_layers)])
@@ -104,8 +104,6 @@ class MultiTokenPrediction(nn.Module):
         total = None
         for k, layer in enumerate(self.layers):
             tokens, labels, mask = roll_left(tokens), roll_left(labels), roll_left(mask)
-            if self.config.learned_positions:
-                position_ids = roll_left(position_ids)
             hidden = layer(hidden, embedding(tokens, position_ids), rope, attention_mask)
             losses = cross_entropy(logits_of(hidden), labels)
             depth_loss = (losses * mask).sum() / mask.sum()
