@@ -48,6 +48,7 @@ from megazero.checkpoint import CheckpointError  # noqa: E402
 from megazero.config.failures import debug_requested, describe  # noqa: E402
 from megazero.model import GPTConfig, GPTModel  # noqa: E402
 from megazero.inference.generation import generate  # noqa: E402
+from megazero.inference.latent_cache import cache_note  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -240,6 +241,8 @@ def load_for_generation(args):
               f"{f' EP {args.expert_model_parallel_size}' if args.expert_model_parallel_size > 1 else ''}, "
               f"{c.params_dtype}: {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
+        if cache_note(c):
+            print(cache_note(c), flush=True)
     return topo, model, tok, agree
 
 

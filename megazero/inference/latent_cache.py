@@ -63,6 +63,15 @@ class LatentCache(InferenceCache):
                 f"compressed latent, not K/V: {per}; {len(self.latents)} layers, {self.nbytes()} bytes)")
 
 
+def cache_note(config) -> str | None:
+    """One line for a multi-latent-attention model's generation log (None otherwise)."""
+    if not getattr(config, "multi_latent_attention", False):
+        return None
+    full = config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)
+    return (f"> multi-latent attention: the KV cache holds each layer's compressed latent (kv_lora_rank "
+            f"{config.kv_lora_rank} + RoPE key {config.qk_pos_emb_head_dim} values per token), not K/V ({full})")
+
+
 def new_cache(config, batch_size: int, max_len: int, device=None) -> InferenceCache:
     """The cache ``config``'s model generates with: :class:`LatentCache` for multi-latent
     attention, else :class:`~megazero.inference.cache.InferenceCache`."""

@@ -75,3 +75,17 @@ def mla_problem(config) -> str | None:
         return (f"YaRN settings rotary_scaling_factor {c.rotary_scaling_factor}, original_max_position_embeddings "
                 f"{c.original_max_position_embeddings}, beta_fast {c.beta_fast} > beta_slow {c.beta_slow} are needed")
     return None
+
+
+def mla_attention_flops_per_token(config) -> float:
+    """One MLA layer's FLOPs per token, forward and backward: Megatron-LM core_v0.16.0
+    ``num_floating_point_operations`` (megatron/training/training.py), ``3 x 2 x`` the GEMMs'
+    multiply-adds -- query (``r_q (h + H d_q + 1)``, or ``h H d_q``), key/value
+    (``r_kv (h + H (d_n + d_v) + 1) + h d_r``), output ``H d_v h``, and the causal core attention
+    ``s H d_q / 2 + s H d_v / 2`` (the ``+ 1``: the latent norms)."""
+    c = config
+    h, H, s = c.hidden_size, c.num_attention_heads, c.seq_length
+    d_q = c.qk_head_dim + c.qk_pos_emb_head_dim
+    q = h * H * d_q if c.q_lora_rank is None else c.q_lora_rank * (h + H * d_q + 1)
+    kv = c.kv_lora_rank * (h + H * (c.qk_head_dim + c.v_head_dim) + 1) + h * c.qk_pos_emb_head_dim
+    return 6.0 * (q + kv + H * c.v_head_dim * h + s * H * d_q / 2 + s * H * c.v_head_dim / 2)

@@ -26,6 +26,7 @@ Expert states are the same with Φ_e and N = EDP = TP CP DP / (ETP EP) (the expe
 (:mod:`megazero.planner.cp_memory`); a flash or fused attention kernel keeps no ``5 a s^2 b`` scores. **Context parallelism** (CP ranks): s is a rank's ``s / CP``
 tokens in every formula here; the CP attention keeps no ``a s^2`` scores but its output and
 log-sum-exp, and the ring adds its fp32 working set as a transient (:mod:`~megazero.planner.cp_memory`).
+MLA layers: their own parameters and attention activations (:mod:`megazero.planner.mla_memory`).
 An MoE layer keeps its routed rows instead of the dense MLP's share
 (:mod:`megazero.planner.expert_memory`). A pipeline rank r holds ``in_flight(r)`` chunk-activations
 (:func:`megazero.pipeline.plan.in_flight_bound`: ``min(PP - r, M)`` with 1F1B,
@@ -60,6 +61,7 @@ from .cp_memory import (chunk_activation_bytes, check_cp_layout, cp_attention_by
                         layer_activation_bytes)  # noqa: F401 (the planner's names)
 from .mtp_memory import mtp_activation_bytes, mtp_extra_params, mtp_layers
 from .expert_memory import dispatch_bytes, expert_data_parallel, moe_block_params, moe_chunk_activation_bytes
+from .mla_memory import mla_activation_delta, mla_attention_params
 
 GiB = 2 ** 30
 
@@ -72,6 +74,8 @@ def norm_params(shape: GPTConfig) -> int:
 def attention_params(shape: GPTConfig, tp: int = 1) -> int:
     """QKV and the dense projection on one TP rank (row-parallel bias whole; the QKV bias alone
     with ``--add-qkv-bias``)."""
+    if shape.multi_latent_attention:  # its own projections: .mla_memory
+        return mla_attention_params(shape, tp)
     h, d = shape.hidden_size, shape.kv_channels
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
     biases = ((q + 2 * kv) // tp if shape.qkv_bias else 0) + (h if shape.add_bias_linear else 0)
@@ -223,6 +227,7 @@ def _chunk_bytes(shape: GPTConfig, layers: list[int], run: _Run) -> tuple[float,
     cp = cp_chunk_activation_bytes(shape, len(layers), run.s, run.b, run.tp, run.cp, run.act_bytes, run.recompute,
                                    run.method, run.num_layers)
     units = 2 / run.act_bytes
+    kept += len(layers) * mla_activation_delta(shape, run.s, run.b, run.tp, run.sp)  # MLA's head sizes, latents
     return kept + extra[0] + cp[0] * units, transient + extra[1] + cp[1] * units
 
 

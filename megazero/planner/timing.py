@@ -53,7 +53,9 @@ def flops_per_token(shape: GPTConfig, recompute: str | None = None, recomputed_f
     attention's ``4 L s a d`` with selective)."""
     positions = shape.max_position_embeddings * shape.hidden_size if shape.learned_positions else 0
     n = active_params(shape) - (positions if shape.tied_embeddings else embedding_params(shape))
-    attn = shape.num_layers * shape.seq_length * shape.num_attention_heads * shape.kv_channels
+    d = shape.kv_channels if not shape.multi_latent_attention else (  # MLA: q k^T over d_q, p v over d_v
+        (shape.qk_head_dim + shape.qk_pos_emb_head_dim + shape.v_head_dim) / 2)
+    attn = shape.num_layers * shape.seq_length * shape.num_attention_heads * d
     flops = 6 * n + 12 * attn
     if recompute == "full":
         flops += recomputed_fraction * (2 * n + 4 * attn)

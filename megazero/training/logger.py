@@ -27,13 +27,15 @@ import os
 from typing import Mapping
 
 from megazero.config.configs import WandbConfig
+from megazero.model.mla_config import mla_attention_flops_per_token
 
 
 def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
     """The formula above for a :class:`~megazero.model.GPTConfig` and a global batch of
     ``batch_size`` sequences (``V`` padded for ``tp`` ranks). An MoE model's ``f`` is the mean over
     layers of the FFN width a token runs through: ``f`` for a dense layer, ``k f_moe + f_shared`` for
-    an MoE one (Megatron-LM core_v0.20.0 ``num_floating_point_operations``)."""
+    an MoE one (Megatron-LM core_v0.20.0 ``num_floating_point_operations``); a multi-latent-attention
+    layer's attention is Megatron's MLA term (:func:`~megazero.model.mla_config.mla_attention_flops_per_token`)."""
     B, s, L, h = batch_size, config.seq_length, config.num_layers, config.hidden_size
     a, g, d, f = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.ffn_hidden_size
     m = 1.5 if config.activation == "swiglu" else 1.0
@@ -43,7 +45,10 @@ def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
         f = (f * (L - n_moe) + (moe.ffn_hidden_size * moe.router_topk + (moe.shared_expert_intermediate_size or 0))
              * n_moe) / L
     V = config.padded_vocab(tp)
-    return 12.0 * B * s * L * h * h * ((1 + g / a + s / h) * (a * d / h) + (f / h) * m + V / (2.0 * L * h))
+    attention = (1 + g / a + s / h) * (a * d / h)
+    if config.multi_latent_attention:  # Megatron's MLA term (model/mla_config.py), in units of 12 h^2
+        attention = mla_attention_flops_per_token(config) / (12.0 * h * h)
+    return 12.0 * B * s * L * h * h * (attention + (f / h) * m + V / (2.0 * L * h))
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, iteration_ms: float,

@@ -139,3 +139,33 @@ def test_bad_settings_one_line(change, message):
 def test_heads_that_do_not_split_over_tp():
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by TP 8"):
         GPTConfig(**MLA).check_tp(8)
+
+
+def test_meta_build_draws_what_the_eager_build_does():
+    """ZeRO 3's deferred build: every MLA parameter's initializer gives the eager build's value."""
+    from megazero.tensor_parallel.layers import param_initializer
+    for q_lora in (12, None):
+        cfg = GPTConfig(**{**MLA, "q_lora_rank": q_lora, "normalization": "LayerNorm", "apply_layernorm_1p": True})
+        eager, meta = GPTModel(cfg), GPTModel(cfg, meta_init=True)
+        init = param_initializer([meta])
+        for (name, p), (_, m) in zip(eager.named_parameters(), meta.named_parameters()):
+            assert torch.equal(init(m).to(p.dtype), p.detach()), name
+
+
+def _recompute_with_dropout(rank, world):
+    from tests.model.test_recompute_and_slices import RECOMPUTE, _two_steps
+    topo = Topology(world, rank, tp=world).create_groups() if world > 1 else None
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    kw = {**MLA, "attention_dropout": 0.2, "hidden_dropout": 0.2, "sequence_parallel": world > 1}
+    ref = _two_steps(GPTModel(GPTConfig(**kw), topo).train(), ids, ids.roll(-1, 1))
+    assert not torch.equal(ref[0][0], ref[1][0])  # the dropout masks differ between steps
+    for rc in RECOMPUTE:
+        got = _two_steps(GPTModel(GPTConfig(**kw, **rc), topo).train(), ids, ids.roll(-1, 1))
+        for (loss, grads), (ref_loss, ref_grads) in zip(got, ref):
+            assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items()), rc
+    return True
+
+
+def test_recompute_with_dropout_is_bitwise_at_tp1_and_tp2_sp():
+    """Full and selective recompute replay MLA's attention-dropout masks (the TP generator) exactly."""
+    assert _recompute_with_dropout(0, 1) and run_distributed(_recompute_with_dropout, 2) == [True, True]
