@@ -114,3 +114,13 @@ def test_planner_counts_mtp_layers(pp, overrides):
     assert plan.estimate(shape, 1, pp, 1, 0, micro_batch_size=1, micro_batches=2).activation_bytes > \
         plan.estimate(moe_config(**dict(overrides, mtp_num_layers=None)), 1, pp, 1, 0, micro_batch_size=1,
                       micro_batches=2).activation_bytes
+
+
+def test_throughput_flops_count_mtp_as_megatron():
+    """Megatron's ``num_floating_point_operations``: each MTP depth adds ``6 B s (3h + 2h^2)`` (norms,
+    eh_proj) and a logit layer ``6 B s h V``."""
+    from megazero.training.logger import model_flops_per_iteration
+    with_mtp, plain = moe_config(**DENSE), moe_config(**dict(DENSE, mtp_num_layers=None))
+    h, V, B, s, D = 16, plain.padded_vocab(1), 4, plain.seq_length, 2
+    extra = model_flops_per_iteration(with_mtp, B) - model_flops_per_iteration(plain, B)
+    assert abs(extra - 6 * B * s * D * (3 * h + 2 * h * h + h * V)) < 1e-6 * extra
