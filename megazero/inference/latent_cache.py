@@ -72,9 +72,13 @@ def cache_note(config) -> str | None:
             f"{config.kv_lora_rank} + RoPE key {config.qk_pos_emb_head_dim} values per token), not K/V ({full})")
 
 
-def new_cache(config, batch_size: int, max_len: int, device=None) -> InferenceCache:
+def new_cache(config, batch_size: int, max_len: int, device=None, **options) -> InferenceCache:
     """The cache ``config``'s model generates with: :class:`LatentCache` for multi-latent
-    attention, else :class:`~megazero.inference.cache.InferenceCache`."""
+    attention, else :class:`~megazero.inference.cache.InferenceCache` (``options``: its keyword
+    arguments). The latent cache keeps every position: an option set (not None) is refused."""
     if getattr(config, "multi_latent_attention", False):
+        given = sorted(k for k, v in options.items() if v is not None)
+        if given:
+            raise ValueError(f"the multi-latent-attention cache takes no {', '.join(given)} (it keeps every position)")
         return LatentCache(batch_size, max_len, device, config)
-    return InferenceCache(batch_size, max_len, device)
+    return InferenceCache(batch_size, max_len, device, **options)

@@ -69,6 +69,8 @@ def mla_problem(config) -> str | None:
     if c.num_query_groups != c.num_attention_heads:
         return ("--multi-latent-attention with --group-query-attention: mutually exclusive (Megatron's rule); "
                 "every head expands from the shared latent")
+    if getattr(c, "window_size", None) is not None:  # Megatron's --window-size: standard attention's
+        return "--window-size with --multi-latent-attention: a sliding window is not available for MLA"
     if c.add_qkv_bias:
         return "--add-qkv-bias with --multi-latent-attention: MLA has no QKV projection (its projections carry no bias)"
     if c.rotary_scaling_factor <= 0 or c.original_max_position_embeddings < 1 or c.beta_fast <= c.beta_slow:

@@ -59,3 +59,10 @@ def _tp2(rank, world):
 def test_tp2_generates_what_tp1_does():
     want = generate(GPTModel(config()).eval(), PROMPTS, NEW).tokens
     assert run_distributed(_tp2, 2) == [want, want]
+
+
+def test_the_latent_cache_refuses_options_it_does_not_keep():
+    import pytest
+    with pytest.raises(ValueError, match="takes no window"):
+        new_cache(config(), 1, 8, window=4)
+    assert isinstance(new_cache(config(), 1, 8, window=None), LatentCache)
