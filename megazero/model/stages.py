@@ -221,13 +221,16 @@ class VocabGradFusion:
 def embedding_and_output_params(chunks) -> list:
     """Megatron's ``is_embedding_or_output_parameter`` (``--decoupled-lr``): the word embedding of
     a chunk with the first stage, the output layer's own weight on the last (untied, or the
-    tied copy of a multi-stage model); not the position embeddings."""
+    tied copy of a multi-stage model), the last stage's MTP copy of the embedding; not the
+    position embeddings."""
     out = []
     for chunk in chunks:
         if chunk.pre_process:
             out.append(chunk.embedding.word_embeddings.weight)
         if chunk.post_process and chunk.output_layer.weight is not None:
             out.append(chunk.output_layer.weight)
+        if getattr(chunk, "mtp", None) is not None and chunk.mtp.embedding is not None:
+            out.append(chunk.mtp.embedding.word_embeddings.weight)  # MTP's copy steps as the embedding does
     return out
 
 

@@ -124,3 +124,16 @@ def test_throughput_flops_count_mtp_as_megatron():
     h, V, B, s, D = 16, plain.padded_vocab(1), 4, plain.seq_length, 2
     extra = model_flops_per_iteration(with_mtp, B) - model_flops_per_iteration(plain, B)
     assert abs(extra - 6 * B * s * D * (3 * h + 2 * h * h + h * V)) < 1e-6 * extra
+
+
+def test_last_stage_embedding_copy_is_shared_and_on_the_decoupled_lr():
+    """PP 2: the last stage's MTP embedding copy is the weight kept in sync with the first stage's
+    embedding and, like it, an ``--decoupled-lr`` parameter (the copies must take the same step)."""
+    from megazero.model.stages import embedding_and_output_params
+    cfg = moe_config(**DENSE)
+    first = GPTModel(cfg, None, 0, 2, pre_process=True, post_process=False)
+    last = GPTModel(cfg, None, 2, 4, pre_process=False, post_process=True)
+    copy = last.mtp.embedding.word_embeddings.weight
+    assert last.shared_embedding_weight() is copy and first.shared_embedding_weight() is first.embedding.word_embeddings.weight
+    assert torch.equal(copy, first.embedding.word_embeddings.weight)
+    assert any(p is copy for p in embedding_and_output_params([last]))
