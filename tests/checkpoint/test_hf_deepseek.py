@@ -1,6 +1,6 @@
 """megazero DeepSeek-V3 models (MLA + sigmoid group-limited MoE + MTP) from random HF
-``DeepseekV3ForCausalLM`` weights: transformers' logits (fp32, 1e-5) and greedy tokens at TP 1 and
-EP 2, the MTP layer's logits = transformers' ``MtpModel``'s, exact round trips (MTP weights
+``DeepseekV3ForCausalLM`` weights: transformers' logits (fp32, 1e-5) and greedy tokens at TP 1,
+EP 2 and TP 2, the MTP layer's logits = transformers' ``MtpModel``'s, exact round trips (MTP weights
 included, in DeepSeek's ``model.layers.{L+k}`` layout), and the refused config fields."""
 
 import pytest
@@ -14,6 +14,7 @@ from megazero.inference.generation import generate  # noqa: E402
 from megazero.model import GPTModel  # noqa: E402
 from megazero.model.mtp import roll_left  # noqa: E402
 from megazero.parallel.topology import Topology  # noqa: E402
+from megazero.tensor_parallel import gather_from_tp_region  # noqa: E402
 from megazero.testing import run_distributed  # noqa: E402
 
 VOCAB, NEW, EOD, L = 96, 8, 95, 3
@@ -71,12 +72,13 @@ def _case(hf):
 def _check(rank, world, case):
     hf_config, state, ids, ref, tokens = case
     errors = {}
-    for ep in (1, 2):
-        topo = Topology(world, rank, ep=ep).create_groups()
+    for tp, ep in ((1, 1), (1, 2), (2, 1)):
+        topo = Topology(world, rank, tp=tp, ep=ep).create_groups()
         model = GPTModel(config_from_hf(hf_config, make_vocab_size_divisible_by=8), topo).eval()
         assert load_hf(model, state) == []
+        ep = f"{ep} tp{tp}"
         with torch.no_grad():
-            errors[f"ep{ep} logits"] = _rel(model(ids)[..., :VOCAB], ref)
+            errors[f"ep{ep} logits"] = _rel(gather_from_tp_region(model(ids), topo.tp_group)[..., :VOCAB], ref)
         back, hub = to_hf_state_dict(model), unfuse_experts(state, "deepseek_v3")  # every expert, MTP's too
         errors[f"ep{ep} roundtrip"] = float(not set(hub) <= set(back) or any(not torch.equal(back[k], hub[k])
                                                                                for k in hub))
@@ -85,7 +87,7 @@ def _check(rank, world, case):
     return errors
 
 
-def test_logits_and_greedy_generation_at_ep1_and_ep2():
+def test_logits_and_greedy_generation_at_tp1_ep2_and_tp2():
     case = _case(hf_model())
     assert any(len(set(row)) > 2 for row in case[4]), "degenerate reference"
     for errors in run_distributed(_check, 2, case, timeout_s=300):
