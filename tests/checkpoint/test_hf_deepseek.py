@@ -146,6 +146,14 @@ def _mtp_logits(model, ids):
     return model.output_layer(h).transpose(0, 1)[..., :VOCAB]
 
 
+def test_every_group_kept_is_no_group_limit():
+    """``topk_group = n_group`` (or ``n_group`` 1) keeps every group in both rules: no group limit."""
+    for groups, kept in ((4, 4), (1, 1)):
+        cfg = dict(transformers.DeepseekV3Config(**CFG).to_dict(), n_group=groups, topk_group=kept, num_experts_per_tok=3)
+        moe = config_from_hf(cfg).moe
+        assert (moe.num_groups, moe.group_topk, moe.router_topk) == (None, None, 3)
+
+
 @pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("attention_bias", True), ("rope_interleave", False),
                                        ("norm_topk_prob", False), ("topk_group", 1), ("num_key_value_heads", 2),
                                        ("rope_parameters", {"rope_type": "linear", "factor": 2.0})])

@@ -80,7 +80,7 @@ def _check(c: dict) -> None:
             ("pretraining_tp", 1, lambda v: v in (None, 1), "only 1 is the trained function")):
         if not ok(c.get(key, default)):
             raise _refuse(key, c.get(key, default), why)
-    if groups not in (None, 1) and group_topk and k != 2 * group_topk:
+    if groups not in (None, 1) and group_topk and group_topk < groups and k != 2 * group_topk:
         raise _refuse("topk_group", group_topk, f"num_experts_per_tok {k} / topk_group must be 2: transformers "
                       "scores a group by its top-2 scores, Megatron (and megazero) by its top num_experts_per_tok / "
                       "topk_group (equal only at 2, as in DeepSeek-V3)")
@@ -109,7 +109,8 @@ def deepseek_fields(c: dict) -> dict:
     if D and not pattern[-1]:
         raise _refuse("first_k_dense_replace", dense, f"with all {L} layers dense the {D} MTP layer(s) would be dense "
                       "here and MoE in transformers")
-    groups = c.get("n_group") if c.get("n_group") not in (None, 1) else None
+    groups = c.get("n_group")  # keeping every group (n_group 1, or topk_group = n_group) is no group limit
+    groups = groups if groups not in (None, 1) and (c.get("topk_group") or groups) < groups else None
     shared = (c.get("n_shared_experts") or 0) * c["moe_intermediate_size"] or None
     try:
         moe = MoEConfig(num_experts=c["n_routed_experts"], ffn_hidden_size=c["moe_intermediate_size"],
