@@ -83,7 +83,8 @@ def _layouts(rank, world, sizes, stages, data, overrides):
     (dict(pp=2, ep=2), dict(mtp_num_layers=1, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                             untie_embeddings_and_output_weights=True, position_embedding_type="rope")),
     (dict(tp=2, ep=2), dict(DSV3_MLA, sequence_parallel=True)),
-], ids=["pp2", "tp2-sp", "moe-pp2-ep2", "dsv3-mla-tp2-sp-ep2"])
+    (dict(pp=2, vp=2), DENSE),
+], ids=["pp2", "tp2-sp", "moe-pp2-ep2", "dsv3-mla-tp2-sp-ep2", "pp2-vp2"])
 def test_layout_equals_one_process(sizes, overrides):
     dp = 4 // (sizes.get("tp", 1) * sizes.get("pp", 1))
     data = gpt_batches(3, dp, 2)
