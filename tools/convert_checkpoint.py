@@ -114,7 +114,7 @@ def _stream_hf(reader, config, arch: str, kind: str, dtype: torch.dtype, path: s
         if config.tied_embeddings:
             out.pop("lm_head.weight", None)
         return out
-    names = reader.param_names()
+    names = reader.param_names() + hfmap.saved_buffers(reader, arch, config)  # DeepSeek's correction bias
     specs = [item for name in names for item in hf_of(name, reader.full_meta(name, kind).to(dtype)).items()]
     with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as writer:
         for name in names:
@@ -159,6 +159,7 @@ def pretrain_flags(config, tokenizer: dict | None = None) -> str:
     if c.moe is not None:  # Megatron's MoE flags
         from megazero.checkpoint.convert.megatron_moe import moe_flags
         flags += moe_flags(c.moe)
+    flags += hfmap.mla_mtp_flags(c)  # DeepSeek-V3's: Megatron's MLA and MTP flags
     if tokenizer:
         flags.append(f"(tokenizer recorded: {tokenizer['tokenizer_type']})")
     return " ".join(flags)
@@ -220,6 +221,7 @@ def from_hf(hf_dir: str, save: str, iteration: int = 0, dtype: str = "float32"):
         print(f"note: {config_path}: embd_pdrop {cfg.get('embd_pdrop', 0.1)} differs from resid_pdrop "
               f"{cfg.get('resid_pdrop', 0.1)}; Megatron's --hidden-dropout ({config.hidden_dropout:g}) drops both")
     get, have = hfmap.hf_weights(hf_dir)
+    config = hfmap.without_missing_mtp(config, have, config_path)
     mapping = hfmap.name_map(arch, config)
 
     def full_tensor(name):

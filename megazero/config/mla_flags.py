@@ -61,6 +61,6 @@ def check_mla(err, args) -> None:
         err(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim}: RoPE rotates pairs, the size must be even")
     if args.rotary_scaling_factor <= 0:
         err(f"--rotary-scaling-factor {args.rotary_scaling_factor}: YaRN's factor must be > 0")
-    if getattr(args, "qk_layernorm", True) is False:
+    if not args.qk_layernorm:
         err("--multi-latent-attention needs --qk-layernorm: megazero's MLA always normalizes its q/kv latents "
             "(DeepSeek-V2/V3); Megatron's MLA has those norms only with --qk-layernorm")

@@ -29,20 +29,20 @@ ARG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_group
             "max_position_embeddings", "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
             "swiglu", "openai_gelu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
             "init_method_std", "seed", "params_dtype", "apply_layernorm_1p", "qk_layernorm", "window_size") \
-    + MOE_ARG_KEYS + MLA_ARG_KEYS
+    + MOE_ARG_KEYS + MLA_ARG_KEYS + ("mtp_num_layers", "mtp_loss_scaling_factor")
 # The fields :meth:`GPTConfig.from_megatron` takes by the same name when given (not None).
 _FROM_MEGATRON = ("num_layers", "hidden_size", "num_attention_heads", "make_vocab_size_divisible_by",
                   "ffn_hidden_size", "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
                   "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "add_bias_linear",
                   "add_qkv_bias", "untie_embeddings_and_output_weights", "attention_dropout", "hidden_dropout",
                   "init_method_std", "seed", "params_dtype", "recompute_granularity", "recompute_method",
-                  "recompute_num_layers", "qk_layernorm")
+                  "recompute_num_layers", "qk_layernorm", "mtp_num_layers", "mtp_loss_scaling_factor")
 # The subset that fixes the weights' shapes: a checkpoint loads only into a model that agrees on
 # all of them (``max_position_embeddings`` only with learned positions).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "position_embedding_type",
               "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-              "untie_embeddings_and_output_weights", "qk_layernorm") + MOE_SHAPE_KEYS + MLA_SHAPE_KEYS
+              "untie_embeddings_and_output_weights", "qk_layernorm") + MOE_SHAPE_KEYS + MLA_SHAPE_KEYS + ("mtp_num_layers",)
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -127,6 +127,9 @@ class GPTConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # -- multi-token prediction (megazero.model.mtp; Megatron's --mtp-num-layers, --mtp-loss-scaling-factor)
+    mtp_num_layers: int | None = None  # D extra layers predicting t+2..t+D+1 on the last stage; None: none
+    mtp_loss_scaling_factor: float = 0.1  # c: (c / D) * sum of the D MTP losses joins the LM loss's gradient
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -158,6 +161,10 @@ class GPTConfig:
         if self.moe is not None and len(self.moe.layer_pattern) != self.num_layers:
             raise ValueError(f"the MoE layer pattern has {len(self.moe.layer_pattern)} entries for "
                              f"{self.num_layers} layers")
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} must be >= 1 (omit it for no MTP)")
+        if self.mtp_num_layers and self.position_embedding_type != "rope":
+            raise ValueError(f"--mtp-num-layers needs --position-embedding-type rope, as in Megatron-LM")
         if self.moe is not None and self.add_bias_linear:
             raise ValueError("MoE experts have no biases (Megatron's grouped experts refuse them): "
                              "pass --disable-bias-linear")
@@ -289,7 +296,8 @@ class GPTConfig:
                 "init_method_std": self.init_method_std, "seed": self.seed,
                 "params_dtype": str(self.params_dtype).replace("torch.", ""), "qk_layernorm": self.qk_layernorm,
                 "window_size": None if self.window_size is None else list(self.window_size),
-                **(self.moe.to_args() if self.moe is not None else {"num_experts": None}), **mla_to_args(self)}
+                **(self.moe.to_args() if self.moe is not None else {"num_experts": None}), **mla_to_args(self),
+                "mtp_num_layers": self.mtp_num_layers, "mtp_loss_scaling_factor": self.mtp_loss_scaling_factor}
 
 
 def checked_window(window) -> tuple[int, int] | None:

@@ -41,6 +41,7 @@ from megazero.tensor_parallel.random import REPLICATED, TENSOR_PARALLEL
 from .config import GPTConfig
 from megazero.context_parallel.chunks import positions_for_rank
 from .attention import rope_cos_sin
+from .mtp import MTP_EMBEDDING, MultiTokenPrediction
 from .yarn import mla_rope_cos_sin
 from .transformer import Norm, TransformerLayer
 
@@ -109,10 +110,11 @@ class GPTModel(nn.Module):
         where = torch.device("meta") if meta_init else self.device  # meta: values from param_initializer
         if pre_process:
             self.embedding = Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
-        if config.moe is not None and moe_state is None:
+        if (config.moe is not None or config.mtp_num_layers) and moe_state is None:  # MTP records its losses there
             from megazero.moe.layer import MoEState
-            moe_state = MoEState(config.num_layers, self.device, config.moe.num_experts,
-                                 config.moe.enable_expert_bias, self.cp)
+            moe_state = MoEState(config.num_layers + (config.mtp_num_layers or 0), self.device,
+                                 config.moe.num_experts if config.moe else 0,
+                                 config.moe is not None and config.moe.enable_expert_bias, self.cp)
         self.moe_state = moe_state  # shared by the MoE routers of this rank's chunks (None: dense)
         self.layers = nn.ModuleDict({
             str(n): TransformerLayer(config, n, self.tp_group, self.rng, where, topo, moe_state, self.device)
@@ -126,16 +128,21 @@ class GPTModel(nn.Module):
                 sequence_parallel=self.sequence_parallel, real_out_features=config.vocab_size,
                 init_method=seeded_normal(config.init_method_std, config.seed, key),
                 params_dtype=config.params_dtype, device=where, create_weight=not uses_embedding)
+        self.mtp = None
+        if post_process and config.mtp_num_layers:
+            copy = None if pre_process else Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
+            self.mtp = MultiTokenPrediction(config, self.tp_group, self.rng, where, topo, moe_state, self.device, copy)
 
     # ---- forward -------------------------------------------------------------------------
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The tied word-embedding weight this slice must keep in sync with its twin, or None."""
-        if not self.config.tied_embeddings or (self.pre_process and self.post_process):
+        mtp_copy = self.config.mtp_num_layers and not self.config.tied_embeddings  # MTP's embedding on the last stage
+        if not (self.config.tied_embeddings or mtp_copy) or (self.pre_process and self.post_process):
             return None
         if self.pre_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
-            return self.output_layer.weight
+            return self.mtp.embedding.word_embeddings.weight if mtp_copy else self.output_layer.weight
         return None
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
@@ -151,7 +158,8 @@ class GPTModel(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, inference_cache=None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """See docs/INTERFACES.md. ``inference_cache`` (a prepared
         :class:`~megazero.inference.cache.InferenceCache`): ``x`` holds only the new tokens, the
         layers attend over the cached keys/values too (position ids default to the cache's).
@@ -198,9 +206,19 @@ class GPTModel(nn.Module):
         logits = self.output_layer(hidden, weight)  # [s, b, V'/p]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        loss = self._cross_entropy(logits, labels)
+        if self.mtp is not None and inference_cache is None:
+            tokens = x if tokens is None and self.pre_process else tokens
+            embedding = self.embedding if self.pre_process else self.mtp.embedding
+            loss = self.mtp.loss(loss, hidden, tokens, position_ids, rope, attention_mask, labels, loss_mask,
+                                 embedding, lambda h: self.output_layer(h, weight), self._cross_entropy)
+        return loss
+
+    def _cross_entropy(self, logits, labels):
+        """``[s, b, V'/p]`` logits, ``[b, s]`` labels -> ``[b, s]`` fp32 losses."""
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.config.vocab_size,
                                             self.config.label_smoothing)
-        return loss.t().contiguous()  # [b, s] fp32
+        return loss.t().contiguous()
 
     def root_backward_reads_end(self) -> nn.Module | None:
         """For ZeRO-3 (:class:`~megazero.zero.stage3.ParamGatherer`): the module after whose
@@ -248,6 +266,8 @@ class GPTModel(nn.Module):
             full = state.get(name)
             if full is None and name == "output_layer.weight" and self.config.tied_embeddings:
                 full = state.get(WORD_EMBEDDING)  # the last stage's copy of the tied embedding
+            if full is None and name == MTP_EMBEDDING:
+                full = state.get(WORD_EMBEDDING)  # the last stage's copy for multi-token prediction
             if full is None:
                 missing.append(name)
                 continue

@@ -23,6 +23,7 @@ from megazero.tensor_parallel.weight_grad_store import weight_grad_stores
 
 from megazero.context_parallel.chunks import slice_for_rank
 from .gpt import WORD_EMBEDDING
+from .mtp import MTP_EMBEDDING
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,16 @@ def gpt_stages(config, topo, micro_batch_size: int, device=None) -> ModelStages:
     shape = pipeline_tensor_shape(config.seq_length // topo.cp, micro_batch_size, config.hidden_size, topo.tp,
                                   config.sequence_parallel)  # a CP rank's chunks of the sequence
     aliases = {"output_layer.weight": WORD_EMBEDDING} if config.tied_embeddings else {}
+    if config.mtp_num_layers:  # the last stage's copy of the embedding for multi-token prediction
+        aliases[MTP_EMBEDDING] = WORD_EMBEDDING
     return ModelStages(chunks=chunks, activation_shape=shape, activation_dtype=config.params_dtype,
                        shared_params=shared_embedding_params(chunks, topo),
                        tp_duplicated_params=tp_duplicated_params(chunks, topo.tp),
                        rng_states=[chunk.rng for chunk in chunks], aliases=aliases,
                        param_init=param_initializer(chunks) if meta else None,
                        forward_step=gpt_forward_step,
-                       input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions),
+                       input_keys=GPTInputKeys(topo.is_first_stage, topo.is_last_stage, not config.learned_positions,
+                                               bool(config.mtp_num_layers)),
                        decoupled_lr_params=embedding_and_output_params(chunks),
                        fuse_vocab_grads=VocabGradFusion(chunks), weight_grad_stores=weight_grad_stores(chunks),
                        expert_params=expert_parallel_params(chunks), moe=chunks[0].moe_state)
@@ -193,6 +197,8 @@ class GPTInputKeys:
     first_stage: bool
     last_stage: bool
     rope: bool
+    mtp: bool = False  # multi-token prediction: the last stage embeds the tokens too
+
 
     def __call__(self, per_document: frozenset) -> frozenset:
         keys = {"attention_mask"} & per_document
@@ -201,7 +207,7 @@ class GPTInputKeys:
         if self.first_stage:
             keys |= {"tokens", "position_ids"}
         if self.last_stage:
-            keys |= {"labels", "loss_mask"}
+            keys |= {"labels", "loss_mask"} | ({"tokens"} if self.mtp else set())
         return frozenset(keys)
 
 
@@ -227,13 +233,16 @@ class VocabGradFusion:
 def embedding_and_output_params(chunks) -> list:
     """Megatron's ``is_embedding_or_output_parameter`` (``--decoupled-lr``): the word embedding of
     a chunk with the first stage, the output layer's own weight on the last (untied, or the
-    tied copy of a multi-stage model); not the position embeddings."""
+    tied copy of a multi-stage model), the last stage's MTP copy of the embedding; not the
+    position embeddings."""
     out = []
     for chunk in chunks:
         if chunk.pre_process:
             out.append(chunk.embedding.word_embeddings.weight)
         if chunk.post_process and chunk.output_layer.weight is not None:
             out.append(chunk.output_layer.weight)
+        if getattr(chunk, "mtp", None) is not None and chunk.mtp.embedding is not None:
+            out.append(chunk.mtp.embedding.word_embeddings.weight)  # MTP's copy steps as the embedding does
     return out
 
 
@@ -259,6 +268,8 @@ def gpt_forward_step(chunk, micro_batch: dict, input_tensor):
     extra = {"attention_mask": micro_batch["attention_mask"]} if "attention_mask" in micro_batch else {}
     if not getattr(chunk, "post_process", False):
         return chunk(x, position_ids=micro_batch.get("position_ids"), **extra)
+    if getattr(chunk, "mtp", None) is not None:  # multi-token prediction reads the tokens and the mask
+        extra.update(tokens=micro_batch["tokens"], loss_mask=micro_batch.get("loss_mask"))
     losses = chunk(x, position_ids=micro_batch.get("position_ids"), labels=micro_batch["labels"], **extra)
     mask = micro_batch.get("loss_mask")
     if cp == 1:

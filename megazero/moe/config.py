@@ -17,7 +17,9 @@ softmax scores -- ``top-k(logits)`` then a softmax over the k (``pre_softmax`` F
 ``top-k(softmax(logits))`` (``pre_softmax`` True, Qwen-MoE and DeepSeek); sigmoid scores --
 ``top-k(sigmoid(logits) + expert_bias)`` picks, the sigmoids (without bias) normalized over the
 k are the weights. Group-limited routing keeps per token the ``router_group_topk`` expert groups
-whose top ``k / group_topk`` scores sum highest. ``topk_scaling_factor`` multiplies the weights.
+whose top ``k / group_topk`` scores sum highest (megatron-core 0.16.1 ``group_limited_topk``;
+transformers 5.24.0's ``DeepseekV3TopkRouter`` sums the top 2, the same rule when
+``k / group_topk = 2`` as in DeepSeek-V3: docs/moe.md). ``topk_scaling_factor`` multiplies the weights.
 """
 
 from __future__ import annotations
@@ -177,8 +179,10 @@ class MoEConfig:
         return sum(self.layer_pattern)
 
     def is_moe(self, layer_number: int) -> bool:
-        """Whether global layer ``layer_number`` (0-based) is an MoE layer."""
-        return bool(self.layer_pattern[layer_number])
+        """Whether global layer ``layer_number`` (0-based) is an MoE layer. Numbers past the decoder
+        are multi-token-prediction layers (:mod:`megazero.model.mtp`), which follow the last
+        decoder layer (megatron-core 0.16.1 ``get_gpt_mtp_block_spec`` uses ``layer_specs[-1]``)."""
+        return bool(self.layer_pattern[min(layer_number, len(self.layer_pattern) - 1)])
 
     def coeff(self, kind: str) -> float:
         """The aux-loss coefficient of load-balancing type ``kind`` (0 when not enabled)."""

@@ -61,6 +61,7 @@ from megazero.model.config import GPTConfig
 
 from .cp_memory import (chunk_activation_bytes, check_cp_layout, cp_attention_bytes, cp_chunk_activation_bytes,
                         layer_activation_bytes)  # noqa: F401 (the planner's names)
+from .mtp_memory import mtp_activation_bytes, mtp_extra_params, mtp_layers
 from .expert_memory import dispatch_bytes, expert_data_parallel, moe_block_params, moe_chunk_activation_bytes
 from .mla_memory import mla_activation_delta, mla_attention_params
 
@@ -124,16 +125,16 @@ def stage_param_split(shape: GPTConfig, tp: int, pp: int, rank: int, vp: int = 1
                       etp: int | None = None, schedule: str | None = None) -> tuple[int, int]:
     """(dense, expert) Φ of pipeline rank ``rank``: its layers (MoE ones per ``--moe-layer-freq``),
     the embedding on the first, the head on the last; experts sharded over EP x expert TP."""
-    layers = stage_layers(shape, pp, rank, vp, schedule)
+    first, last = _ends(pp, rank, schedule)
+    layers = stage_layers(shape, pp, rank, vp, schedule) + (mtp_layers(shape) if last else [])  # MTP: last stage
     moe_layers = sum(shape.moe.is_moe(n) for n in layers) if shape.moe is not None else 0
     dense, expert = (len(layers) - moe_layers) * layer_params(shape, tp), 0
     if moe_layers:
         d, e = moe_block_params(shape, tp, ep, tp if etp is None else etp)
         dense += moe_layers * (attention_params(shape, tp) + 2 * norm_params(shape) + d)
         expert = moe_layers * e
-    first, last = _ends(pp, rank, schedule)
     dense += embedding_params(shape, tp) if first else 0
-    dense += head_params(shape, tp, pp) if last else 0
+    dense += head_params(shape, tp, pp) + mtp_extra_params(shape, tp, pp) if last else 0
     return dense, expert
 
 
@@ -257,6 +258,8 @@ def _rank_activation_bytes(shape: GPTConfig, r: int, run: _Run) -> float:
         act += min(-(-k // run.vp), run.m) * s * b * h / (tp if run.sp else 1)
     if last:
         act += 4 * s * b * h / tp + 4 * s * b * shape.padded_vocab(tp) / tp
+        if shape.mtp_num_layers:
+            act += mtp_activation_bytes(shape, _chunk_bytes(shape, mtp_layers(shape)[:1], run)[0], k, s, b, tp)
     return act
 
 

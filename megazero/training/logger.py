@@ -35,7 +35,10 @@ def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
     ``batch_size`` sequences (``V`` padded for ``tp`` ranks). An MoE model's ``f`` is the mean over
     layers of the FFN width a token runs through: ``f`` for a dense layer, ``k f_moe + f_shared`` for
     an MoE one (Megatron-LM core_v0.20.0 ``num_floating_point_operations``); a multi-latent-attention
-    layer's attention is Megatron's MLA term (:func:`~megazero.model.mla_config.mla_attention_flops_per_token`)."""
+    layer's attention is Megatron's MLA term (:func:`~megazero.model.mla_config.mla_attention_flops_per_token`).
+    Multi-token prediction (``D`` layers) adds, as Megatron-LM core_v0.16's ``num_floating_point_operations``
+    ("MTP norms and proj", "Logit ... (mtp_num_layers + 1)"), ``6 B s D (3 h + 2 h^2)`` and ``D`` more
+    logit terms ``6 B s h V`` -- and, as there, not the MTP transformer layers themselves."""
     B, s, L, h = batch_size, config.seq_length, config.num_layers, config.hidden_size
     a, g, d, f = config.num_attention_heads, config.num_query_groups, config.kv_channels, config.ffn_hidden_size
     m = 1.5 if config.activation == "swiglu" else 1.0
@@ -48,7 +51,9 @@ def model_flops_per_iteration(config, batch_size: int, tp: int = 1) -> float:
     attention = (1 + g / a + s / h) * (a * d / h)
     if config.multi_latent_attention:  # Megatron's MLA term (model/mla_config.py), in units of 12 h^2
         attention = mla_attention_flops_per_token(config) / (12.0 * h * h)
-    return 12.0 * B * s * L * h * h * (attention + (f / h) * m + V / (2.0 * L * h))
+    D = config.mtp_num_layers or 0  # Megatron counts MTP's norms, eh_proj and D more logit layers, not its layers
+    mtp = D * (3 * h + 2 * h * h) / (2.0 * L * h * h)
+    return 12.0 * B * s * L * h * h * (attention + (f / h) * m + V * (1 + D) / (2.0 * L * h) + mtp)
 
 
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, iteration_ms: float,

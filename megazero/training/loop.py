@@ -62,8 +62,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
         self.batches = config.schedule.batches  # global batch size by consumed samples
         self.agreement = IterationAgreement(topo, device, optimizer)  # the one packed all-reduce per iteration
         self.stats = IntervalStats()  # Megatron's per-log-interval counters (training_log)
-        self.moe_log = (MoEMetricsLog(stages.moe, config.model.moe, topo.dp, device)
-                        if stages.moe is not None and config.model.moe is not None else None)
+        self.moe_log = (MoEMetricsLog(stages.moe, config.model.moe, topo.dp, device, config.model.mtp_num_layers)
+                        if stages.moe is not None and (config.model.moe or config.model.mtp_num_layers) else None)
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.doc_masks = DocumentMasks.from_config(config.data, config.model.vocab_size)  # eod switches, or None
         rel = config.reliability
@@ -118,7 +118,8 @@ class Trainer(TrainerLogging, TrainerEvaluation, TrainerCheckpoints):
             self.exit_code = guard.exit_code
             return loss, False, None, agreed
         if moe is not None:
-            moe.update_expert_bias(self.config.model.moe.bias_update_rate)
+            if self.config.model.moe is not None:
+                moe.update_expert_bias(self.config.model.moe.bias_update_rate)
             self.moe_log.commit()
         ok, grad_norm = self.optimizer.apply_step(agreed.total_sq, *learning_rates(self.scheduler,
                                                                                    self.config.schedule.lr))

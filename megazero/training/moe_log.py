@@ -14,6 +14,14 @@ already), so their sum over the world is Megatron's value; the sums of this iter
 log interval so far travel in the iteration's one packed all-reduce (:mod:`.agree`) when a log
 or TensorBoard line is due, and are written then (TensorBoard at ``--tensorboard-log-interval``,
 not every iteration: no extra collective).
+
+Multi-token prediction (:mod:`megazero.model.mtp`) rides along: each depth's loss, recorded per
+micro-batch as ``mtp_loss`` of depth ``k`` (a ``1/TP`` share per TP rank), is reported as
+``mtp_<k+1> loss`` -- megatron-core 0.16.1 ``MTPLossLoggingHelper.track_mtp_metrics``: the sum
+over micro-batches averaged over DP (x CP) and scaled by ``1 / M``, a TensorBoard scalar each
+iteration and in the log line (via ``total_loss_dict``) averaged over the log interval. The MoE
+means count the MTP layers among the MoE layers when they are MoE (Megatron's
+``track_moe_metrics`` adds ``mtp_num_layers``).
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ METRIC_COEFFS = (("load_balancing_loss", "aux_loss"), ("seq_load_balancing_loss"
 class MoEMetricsLog:
     """The MoE metrics of one rank's training run (see the module docstring)."""
 
-    def __init__(self, state, moe, dp: int, device):
-        self.state, self.moe, self.dp = state, moe, dp
-        self.names = [name for name, kind in METRIC_COEFFS if moe.coeff(kind) > 0]
-        if moe.z_loss_coeff:
+    def __init__(self, state, moe, dp: int, device, mtp_num_layers: int | None = None):
+        """``moe``: the model's MoEConfig (None: a dense model with multi-token prediction)."""
+        self.state, self.moe, self.dp, self.mtp = state, moe, dp, mtp_num_layers or 0
+        self.names = [name for name, kind in METRIC_COEFFS if moe is not None and moe.coeff(kind) > 0]
+        if moe is not None and moe.z_loss_coeff:
             self.names.append("z_loss")
-        L = len(moe.layer_pattern)
+        if self.mtp:
+            self.names.append("mtp_loss")
+        L = state.num_layers
         self.current = torch.zeros(len(self.names), L, dtype=torch.float32, device=device)
         self.interval = torch.zeros_like(self.current)
         self.iterations = 0
@@ -60,8 +71,12 @@ class MoEMetricsLog:
         return torch.cat([self.current.flatten(), (self.interval + self.current).flatten()])
 
     def _means(self, per_layer: torch.Tensor, divide: float) -> dict[str, float]:
-        n = max(1, self.moe.num_moe_layers)
-        return {name: float(per_layer[i].sum()) / n / divide for i, name in enumerate(self.names)}
+        moe = self.moe
+        n = max(1, moe.num_moe_layers + (self.mtp if moe.is_moe(len(moe.layer_pattern)) else 0)) if moe else 1
+        out = {name: float(per_layer[i].sum()) / n / divide for i, name in enumerate(self.names) if name != "mtp_loss"}
+        if self.mtp:
+            out.update({f"mtp_{k + 1} loss": float(v) / divide for k, v in enumerate(per_layer[-1, :self.mtp].tolist())})
+        return out
 
     def read(self, summed: list[float]) -> tuple[dict, dict]:
         """``(console, tensorboard)`` scalars from the world sums of :meth:`packed`: the interval
@@ -73,8 +88,8 @@ class MoEMetricsLog:
         interval = torch.tensor(summed[k:2 * k]).view(shape)
         console = self._means(interval, max(1, self.iterations))
         board = self._means(current, 1.0)
-        if self.moe.per_layer_logging:
-            for i, name in enumerate(self.names):
+        if self.moe is not None and self.moe.per_layer_logging:
+            for i, name in enumerate(self.names[:len(self.names) - (1 if self.mtp else 0)]):
                 board.update({f"moe/{name}_layer_{n}": float(v) for n, v in enumerate(current[i].tolist())})
         return console, board
 

@@ -10,15 +10,8 @@ from megazero.arguments import parse_args
 from tests.test_training import MOCK, TINY, layout_flags, train
 
 
-def qk_layernorm_flag() -> list[str]:
-    """``--qk-layernorm`` where megazero honours it (Megatron's switch for MLA's latent norms, which
-    megazero's MLA always has and then requires; config/mla_flags.py), else nothing."""
-    from megazero.config.megatron_flags import megatron_flags
-    return ["--qk-layernorm"] if next(f for f in megatron_flags() if f.name == "--qk-layernorm").cls == 1 else []
-
-
-MLA_FLAGS = qk_layernorm_flag() + [
-    "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
+MLA_FLAGS = [
+    "--qk-layernorm", "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
     "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor", "4", "--mscale", "0.8",
     "--mscale-all-dim", "0.9", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights"]

@@ -28,9 +28,10 @@ def _adamw(params, lr=1e-2, wd=0.1):
                              lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
 
 
-def reference(data, clip=0.0, **overrides):
+def reference(data, clip=0.0, mtp_log=None, **overrides):
     """Single process: every step's micro-batches in one loop, the aux losses scaled by 1 / their
-    count like the mean LM loss; returns (per-step mean losses, final full state)."""
+    count like the mean LM loss; returns (per-step mean losses, final full state). ``mtp_log``: a
+    list that gets each step's mean multi-token-prediction losses (one per depth)."""
     from megazero.model import GPTModel
     model = GPTModel(moe_config(**overrides))
     ps = [p for p in model.parameters()]
@@ -47,12 +48,15 @@ def reference(data, clip=0.0, **overrides):
             torch.nn.utils.clip_grad_norm_(ps, clip)
         opt.step()
         opt.zero_grad()
-        model.moe_state.update_expert_bias(model.config.moe.bias_update_rate)
+        if model.config.moe is not None:
+            model.moe_state.update_expert_bias(model.config.moe.bias_update_rate)
+        if mtp_log is not None:
+            mtp_log.append((model.moe_state.take()["mtp_loss"][:model.config.mtp_num_layers] / len(mbs)).tolist())
         losses.append(total)
     return losses, {k: v.clone() for k, v in model.full_state_dict().items()}
 
 
-def train(topo, data, args, **overrides):
+def train(topo, data, args, mtp_log=None, **overrides):
     """This rank's MoE GPT stages trained like ``pretrain_gpt`` does (ModelStages, PipelineRunner,
     ZeroOptimizer with the expert parameters on the expert-DP group); returns (per-step DP-mean
     losses on the last stage, else None; the full state of this rank's chunks)."""
@@ -71,9 +75,16 @@ def train(topo, data, args, **overrides):
     for step in data:
         stages.moe.set_aux_scale(opt.loss_scale / args.num_micro_batches)
         out = runner.run(stages.chunks, step[topo.dp_rank], stages.forward_step, grad_scale=opt.loss_scale)
-        stages.moe.update_expert_bias(stages.chunks[0].config.moe.bias_update_rate)
+        config = stages.chunks[0].config
+        if config.moe is not None:
+            stages.moe.update_expert_bias(config.moe.bias_update_rate)
         ok, _ = opt.step()
         assert ok
+        if mtp_log is not None:  # the logged value: recorded / TP per rank, summed over the world / (M DP)
+            sums = stages.moe.take()
+            mtp = sums.get("mtp_loss", torch.zeros(stages.moe.num_layers))[:config.mtp_num_layers] / args.num_micro_batches
+            dist.all_reduce(mtp)
+            mtp_log.append((mtp / topo.dp).tolist())
         if topo.is_last_stage:
             mean = torch.stack(out).mean().reshape(1)
             dist.all_reduce(mean, group=topo.dp_cp_group)

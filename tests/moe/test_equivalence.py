@@ -116,3 +116,21 @@ def test_fp16_params_with_loss_scaling():
     masters: within fp16 rounding of the fp32 single process."""
     _check(4, dict(ep=2), stages=(1,), loss_tol=3e-2, param_tol=None, params_dtype=torch.float16,
            opt=dict(params_dtype=torch.float16, fp16=True, loss_scale=128.0))
+
+
+# DeepSeek-V3's MoE shrunk: 8 experts in 4 groups, 2 groups kept per token, top-4 (so each group
+# is scored by its top-2 biased sigmoids, as both Megatron's group_limited_topk and transformers'
+# DeepseekV3TopkRouter do when topk / group_topk = 2), the sigmoid weights normalized over the
+# top-k and scaled by 2.5, aux-loss-free expert bias, a shared expert without gate, the first
+# layer dense (first_k_dense_replace = 1) and a small sequence-level aux loss.
+DSV3 = dict(num_experts=8, moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+            moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.01, moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=0.001, moe_z_loss_coeff=None, moe_shared_expert_intermediate_size=8,
+            moe_layer_freq="[0,1,1,1]")
+
+
+@pytest.mark.parametrize("sizes,sp", [(dict(tp=2, ep=2), True), (dict(ep=4), False)], ids=["ep2xtp2", "ep4"])
+def test_deepseek_v3_routing_zero_1_2_3(sizes, sp):
+    """The DeepSeek-V3 router (``DSV3``) at EP 2 x TP 2 (SP) and at EP 4, ZeRO 1, 2 and 3 in one launch."""
+    _check(4, sizes, stages=(1, 2, 3), sequence_parallel=sp, **DSV3)

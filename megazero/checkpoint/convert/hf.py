@@ -45,8 +45,10 @@ from .hf_moe import (MOE_ARCHS, fuse_experts, gather_experts, hf_moe_config, moe
                      moe_layer_map, unfuse_experts)
 from .hf_families import FAMILY_ARCHS, attention_fields, export_problems, family_config
 from .hf_qwen2 import QWEN2_ARCHS, qwen2_config, qwen2_fields
+from .hf_deepseek import (DEEPSEEK_ARCHS, deepseek_fields, deepseek_hf_config, deepseek_name_map, mla_mtp_flags,  # noqa: F401
+                          gather_mtp_experts, mtp_copies, saved_buffers, without_missing_mtp)
 
-ARCHS = ("gpt2", "llama", "qwen2") + tuple(FAMILY_ARCHS) + tuple(MOE_ARCHS)
+ARCHS = ("gpt2", "llama", "qwen2") + tuple(FAMILY_ARCHS) + tuple(MOE_ARCHS) + tuple(DEEPSEEK_ARCHS)
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                     "gelu": "gelu"}
@@ -66,6 +68,8 @@ def arch_of(hf: dict) -> str:
         return kind
     if any(k.startswith("transformer.wte") for k in hf):
         return "gpt2"
+    if any(".kv_a_proj_with_mqa." in k for k in hf):
+        return "deepseek_v3"
     if any(".self_attn.q_norm." in k for k in hf):
         return "qwen3_moe" if any(".mlp.experts." in k or ".mlp.gate." in k for k in hf) else "qwen3"
     if any(".shared_expert" in k for k in hf):
@@ -96,6 +100,8 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                   add_bias_linear=True, untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
                   attention_dropout=c.get("attn_pdrop", 0.1), hidden_dropout=c.get("resid_pdrop", 0.1),
                   init_method_std=c.get("initializer_range", 0.02))
+    elif arch in DEEPSEEK_ARCHS:
+        kw = deepseek_fields(c)
     else:
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -169,6 +175,8 @@ def _global_map(arch: str) -> dict[str, list[tuple[str, bool]]]:
 
 def name_map(arch: str, config) -> dict[str, list[tuple[str, bool]]]:
     """megazero name -> [(HF name, transpose)] for a :class:`GPTConfig` (or a dense model's layer count)."""
+    if arch in DEEPSEEK_ARCHS:
+        return deepseek_name_map(config)
     num_layers, moe = (config, None) if isinstance(config, int) else (config.num_layers, config.moe)
     m = _global_map(arch)
     for i in range(num_layers):
@@ -183,7 +191,7 @@ def name_map(arch: str, config) -> dict[str, list[tuple[str, bool]]]:
 def hf_to_full(hf_state: dict, config: GPTConfig, arch: str | None = None) -> dict[str, torch.Tensor]:
     """HF state dict -> megazero full state dict (names present in ``hf_state`` only)."""
     arch = arch or arch_of(hf_state)
-    if arch in MOE_ARCHS:
+    if arch in MOE_ARCHS or arch in DEEPSEEK_ARCHS:
         hf_state = unfuse_experts(hf_state, arch)
     out = {}
     for name, sources in name_map(arch, config).items():
@@ -217,7 +225,7 @@ def full_to_hf(full_state: dict, config: GPTConfig, arch: str) -> dict[str, torc
             out[dst] = (piece.t() if transpose else piece).contiguous()
     if config.tied_embeddings and "embedding.word_embeddings.weight" in full_state:
         out["lm_head.weight"] = full_state["embedding.word_embeddings.weight"]
-    return out
+    return dict(out, **mtp_copies(full_state, config)) if arch in DEEPSEEK_ARCHS else out
 
 
 def load_hf(model, source) -> list[str]:
@@ -227,6 +235,9 @@ def load_hf(model, source) -> list[str]:
     """
     state = read_hf_folder(source)[1] if isinstance(source, (str, os.PathLike)) else source
     full = hf_to_full(state, model.config, arch_of(state))
+    buffers = dict(model.named_buffers())  # an MoE router's expert bias (DeepSeek-V3's correction bias)
+    for name in [k for k in full if k in buffers]:
+        buffers[name].copy_(full.pop(name))
     full = {k: v.to(model.config.params_dtype) for k, v in full.items()}
     return model.load_full_state_dict(full, strict=False)
 
@@ -236,14 +247,18 @@ def to_hf_state_dict(model, arch: str | None = None, fused_experts: bool = False
     for an MoE model at EP > 1, over the EP group: every expert is in it). Experts under the
     Hub's per-expert names, or ``fused_experts`` as transformers >= 5 holds them in memory."""
     arch = arch or arch_of_config(model.config)
-    out = full_to_hf(gather_experts(model, model.full_state_dict()), model.config, arch)
-    return fuse_experts(out, arch, model.config.moe) if fused_experts and arch in MOE_ARCHS else out
+    full = dict(model.full_state_dict(), **{k: v for k, v in model.state_dict().items() if k.endswith("expert_bias")})
+    out = full_to_hf(gather_mtp_experts(model, gather_experts(model, full)), model.config, arch)
+    moe_arch = arch in MOE_ARCHS or arch in DEEPSEEK_ARCHS
+    return fuse_experts(out, arch, model.config.moe) if fused_experts and moe_arch else out
 
 
 def arch_of_config(config) -> str:
     """The HF architecture a :class:`GPTConfig` exports as by default: MoE per :mod:`.hf_moe`;
-    RoPE with QK-norm ``qwen3``, with a QKV-only bias ``qwen2``, with a window ``mistral``, other
-    RoPE ``llama``; learned positions ``gpt2``."""
+    MLA ``deepseek_v3``; RoPE with QK-norm ``qwen3``, with a QKV-only bias ``qwen2``, with a window
+    ``mistral``, other RoPE ``llama``; learned positions ``gpt2``."""
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if config.moe is not None:
         return moe_arch_of_config(config)
     if config.position_embedding_type != "rope":
@@ -258,7 +273,7 @@ def arch_of_config(config) -> str:
 def hf_config_of(config: GPTConfig, arch: str) -> dict:
     """The HF ``config.json`` of a :class:`GPTConfig` (refusing what the architecture can't express)."""
     c = config
-    if (c.moe is not None) != (arch in MOE_ARCHS):
+    if (c.moe is not None) != (arch in MOE_ARCHS) and arch not in DEEPSEEK_ARCHS:
         raise ValueError(f"a {'MoE' if c.moe is not None else 'dense'} model does not export as {arch!r} "
                          f"(MoE: {' or '.join(MOE_ARCHS)}; dense: gpt2, llama or qwen2)")
     if arch == "gpt2":
@@ -295,6 +310,8 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
             "attention_dropout": 0.0, "torch_dtype": "float32"}
     if arch == "qwen2":
         return qwen2_config(c, llama)
+    if arch in DEEPSEEK_ARCHS:
+        return deepseek_hf_config(c, llama)
     if arch in FAMILY_ARCHS:
         return family_config(c, arch, llama)
     return hf_moe_config(c, arch, llama) if arch in MOE_ARCHS else llama
