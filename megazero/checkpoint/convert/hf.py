@@ -295,7 +295,8 @@ def hf_config_of(config: GPTConfig, arch: str) -> dict:
     bad = [m for m, ok in (("RoPE", c.position_embedding_type == "rope"), ("RMSNorm", c.normalization == "RMSNorm"),
                            ("SwiGLU", c.activation == "swiglu"),
                            ("no QKV-only bias (--add-qkv-bias: export as qwen2)",
-                            arch != "llama" or c.qkv_bias == c.add_bias_linear)) if not ok] + export_problems(c, arch)
+                            arch != "llama" or c.qkv_bias == c.add_bias_linear)) if not ok]
+    bad += [] if arch in DEEPSEEK_ARCHS else export_problems(c, arch)  # DeepSeek-V3's own checks: hf_deepseek
     if bad:
         name = {**MOE_ARCHS, **QWEN2_ARCHS, **FAMILY_ARCHS}.get(arch, "Llama")
         raise ValueError(f"{name} export needs: {', '.join(bad)}")
