@@ -32,7 +32,7 @@ def converted_losses(tmp_path, src, config, flags, world=1, layout=(1, 1, None, 
     return run(world, flags + ["--load", str(tmp_path / "mz")] + layout_flags(*layout))
 
 
-def test_torch_dist_loads_at_two_layouts_as_the_converted_run(tmp_path):
+def test_torch_dist_loads_at_two_layouts_as_the_converted_run(tmp_path, capfd):
     """Llama-style (GQA, SwiGLU, untied), with Megatron's optimizer entries present (not read):
     TP 2 (ZeRO 1) and PP 2 x DP 2 (ZeRO 3) give iterations 8-10 with the converted run's losses."""
     model = direct_model(LLAMAISH)
@@ -47,6 +47,9 @@ def test_torch_dist_loads_at_two_layouts_as_the_converted_run(tmp_path):
         assert [i for i, _ in hist] == [8, 9, 10]
         np.testing.assert_allclose([l for _, l in hist], [l for _, l in ref], rtol=1e-5)
     assert snapshot(src) == before
+    out = capfd.readouterr().out
+    assert "(iteration 7, consumed samples 0) into topo.tp=1, topo.pp=2, topo.dp=2" in out
+    assert "its optimizer state (19 optimizer.* entries) was not read, --no-load-optim implied" in out
 
 
 def test_moe_torch_dist_loads_at_ep2(tmp_path):
@@ -68,13 +71,13 @@ def _loaded(rank, world_size, argv):
     return trainer.iteration, trainer.consumed_samples, trainer.load_path
 
 
-def test_counters_checkpoint_args_and_bad_input(tmp_path, capsys):
+def test_counters_checkpoint_args_and_bad_input(tmp_path, capfd):
     model = direct_model(LLAMAISH)
     src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config, iteration=7,
                                       consumed_train_samples=56)
     flags = flags_of(model.config) + ["--load", src]
     assert run_distributed(_loaded, 1, flags, timeout_s=120)[0] == (7, 56, "torch_dist")
-    assert "--no-load-optim implied" not in capsys.readouterr().out  # it holds no optimizer state
+    assert "it holds no optimizer state; the LR scheduler starts afresh" in capfd.readouterr().out
 
     # --use-checkpoint-args: the model flags from Megatron's saved args (pretrain_gpt.py's reader)
     base = ["--load", src, "--use-checkpoint-args", "--micro-batch-size", "1", "--global-batch-size", "1",
@@ -84,7 +87,7 @@ def test_counters_checkpoint_args_and_bad_input(tmp_path, capsys):
     assert {k: got.get(k) for k in SHAPE_KEYS} == {k: want.get(k) for k in SHAPE_KEYS}
     with pytest.raises(SystemExit):  # without the reader: one line saying who reads it
         parse_args(base, world_size=1)
-    assert "is a Megatron-LM torch_dist checkpoint, whose arguments pretrain_gpt.py reads" in capsys.readouterr().err
+    assert "is a Megatron-LM torch_dist checkpoint, whose arguments pretrain_gpt.py reads" in capfd.readouterr().err
 
     # another model on the command line: each flag named, before any process group
     from megazero.training.build import build_configs
