@@ -176,17 +176,20 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None) -> s
     name_of, aliases = engine_files.names(engine.module)
     groups = _groups(engine, name_of)
     parts = partitions(engine.zero, name_of, groups, engine.topo.dp, rank, stage3)
-    module_sd = engine.module_state_dict()  # collective at stage 3
     frozen = _frozen(engine, name_of, stage, rank)
+    if stage3:  # DeepSpeed's stage-3 module entry: the parameters empty, the buffers whole (nothing gathered:
+        # the module's own state_dict() would gather every unit)
+        module_sd = {n: torch.empty(0, dtype=p.dtype) for n, p in engine.module.named_parameters(remove_duplicate=False)}
+        module_sd.update(engine_files.persistent_buffers(engine.module))
+    else:
+        module_sd = engine.module_state_dict()
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     if stage3:
-        params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-        empty = {k: torch.empty(0, dtype=v.dtype) if k in params else v for k, v in module_sd.items()}
-        error = _write(_model_states(engine, groups, aliases, empty, client_state, frozen),
+        error = _write(_model_states(engine, groups, aliases, module_sd, client_state, frozen),
                        os.path.join(tmp, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"), tmp)
     else:
         error = None if rank else _write(_model_states(engine, groups, aliases, module_sd, client_state, frozen),
