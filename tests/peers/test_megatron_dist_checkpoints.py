@@ -74,3 +74,23 @@ def test_pretrain_loads_megatrons_torch_dist_directly(tmp_path):
     want = run(1, flags[:-2] + ["--load", str(tmp_path / "mz")])
     assert [i for i, _ in hist] == [8, 9] == [i for i, _ in want]
     torch.testing.assert_close([l for _, l in hist], [l for _, l in want], rtol=1e-5, atol=0)
+
+
+def test_pretrain_loads_megatrons_moe_torch_dist_directly(tmp_path):
+    """megatron-core's MoE GPTModel saved at TP 2 x EP 2 (experts stacked ``[L, E, ...]``),
+    ``--load`` as it is at EP 2 x DP 2 (expert DP 1, ZeRO 1): its weights, saved back right after the
+    load and read in one process, give Megatron's logits."""
+    from megazero.checkpoint.convert.megatron_dist import MegatronDistCheckpoint
+    from tests.checkpoint.test_megatron_dist_load import flags_of
+    from tests.checkpoint.test_reshard import run
+    from tests.test_training import layout_flags
+    src = str(tmp_path / "mt")
+    ref = run_distributed(md.megatron_moe_dist_rank, 4, 2, 2, src, timeout_s=90)[0][..., :mh.VOCAB + 1]
+    flags = flags_of(MegatronDistCheckpoint(src).config, iters=8) + ["--load", src]
+    run(4, flags + layout_flags(1, 1, None, 1) + ["--expert-model-parallel-size", "2"],
+        save_at_load=str(tmp_path / "ep2"), train=False)
+    ours = mh.megazero_model(str(tmp_path / "ep2")).eval()
+    assert ours.config.moe.num_experts == 4
+    with torch.no_grad():
+        got = ours(mh.batch(None)[0])[..., :mh.VOCAB + 1]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
