@@ -26,8 +26,10 @@ def main(argv=None) -> int:
     from megazero.config.failures import warnings_as_lines
     from megazero.config.path_checks import check_free_space  # room for one checkpoint at --save
     from megazero.config.rank import current_rank
+    from megazero.checkpoint.torch_dist import saved_args  # --use-checkpoint-args of a Megatron torch_dist folder
     with warnings_as_lines(current_rank()):  # one WARNING line per job, not one per rank
-        args = parse_args(argv, prog="pretrain_gpt.py", training=True, checks=(check_free_space,))
+        args = parse_args(argv, prog="pretrain_gpt.py", training=True, checks=(check_free_space,),
+                          read_saved=saved_args)
     from megazero.model.stages import gpt_forward_step  # loss = sum(loss * loss_mask) / sum(loss_mask)
     from megazero.training import pretrain
     return pretrain(args, model_provider=model_provider, forward_step_func=gpt_forward_step)

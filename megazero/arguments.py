@@ -91,19 +91,21 @@ def world_size_from_env(env=os.environ) -> int:
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None, prog: str | None = None,
-               training: bool = False, checks=()):
+               training: bool = False, checks=(), read_saved=None):
     """Parse, merge ``--deepspeed-config``, validate and derive. Exits with status 2 and one line
     listing every problem found on bad input. ``training`` (``pretrain_gpt.py``): also require
     what a training run needs (sizes, the length of the run, ``--lr``, data) and check the paths
     it names (:mod:`megazero.config.path_checks`), as Megatron's validation does. ``checks``: further
     ``check(err, args)`` run on the valid, derived values (``pretrain_gpt.py``: free space for one
-    checkpoint, which needs the model's size); their problems are listed the same way."""
+    checkpoint, which needs the model's size); their problems are listed the same way.
+    ``read_saved``: how ``--use-checkpoint-args`` reads a Megatron-LM torch_dist folder's arguments
+    (:mod:`megazero.config.checkpoint_args`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv, namespace=Arguments())
     args.world_size = world_size if world_size is not None else world_size_from_env()
     problems = []
-    apply_checkpoint_args(args, problems.append)  # before every check, as Megatron-LM
+    apply_checkpoint_args(args, problems.append, read_saved)  # before every check, as Megatron-LM
     problems += early_problems(args)
     apply_megatron_flags(args, problems.append)
     resolve_aliases(args)

@@ -44,11 +44,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megazero.checkpoint import files, schema
 from megazero.checkpoint.dcp_names import flat_rectangles, full_from_hf, hf_sources, model_pieces
 from megazero.checkpoint.api import Loaded
-from megazero.checkpoint.reshard import model_mismatch_message, named_parameters
+from megazero.checkpoint.reshard import load_from_full, model_mismatch_message, named_parameters
 from megazero.checkpoint.schema import CheckpointError
 from megazero.config.failures import describe
 from megazero.model.saved_args import model_arg_diffs
-from megazero.tensor_parallel.spec import to_local
 
 FORMAT = schema.TORCH_DCP
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -214,19 +213,7 @@ def load_dcp(root: str, iteration: int, *, topo, stages, optimizer, model_config
         raise CheckpointError(model_mismatch_message(folder, diffs))
     with_optim = load_optim and meta.get(schema.OPTIMIZER) is not None
     read = _reader(folder, check_dcp_files(folder), model_config)
-    info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(stages.chunks)}
-    cache = {}
-
-    def fetch(p, kind, a, b):
-        if (id(p), kind) not in cache:
-            name, module, p_name = info[id(p)]
-            cache.clear()  # one parameter's tensor at a time
-            full = read(stages.aliases.get(name, name), kind)
-            cache[(id(p), kind)] = to_local(module, p_name, full.to(p.dtype if kind == "weight" else torch.float32),
-                                            topo.tp_rank, topo.tp).reshape(-1)
-        return cache[(id(p), kind)][a:b]
-
-    optimizer.load_param_ranges(fetch, ("master",) + MOMENTS if with_optim else ("weight",))
+    load_from_full(read, stages, optimizer, ("master",) + MOMENTS if with_optim else ("weight",))
     if with_optim:
         counters = dict(meta[schema.OPTIMIZER])
         if set(counters["scaler"]) != set(optimizer.scaler.state_dict()):

@@ -182,6 +182,7 @@ class DeepSpeedCheckpoint:
     (:class:`~megazero.checkpoint.engine.ShardPieces`) and ``counters`` of rank 0's optim file."""
 
     def __init__(self, folder: str):
+        self.folder = folder
         self.stage3 = not os.path.isfile(_model_file(folder, False))
         self.model_path = _model_file(folder, self.stage3)
         self.model = load_file(self.model_path)
@@ -237,6 +238,52 @@ def _scheduler_state(ckpt: DeepSpeedCheckpoint, scheduler) -> dict:
     return saved
 
 
+def scaler_state(record, scaler) -> dict:
+    """The engine scaler's state from DeepSpeed's pickled one (``cur_scale``; a
+    ``DynamicLossScaler``'s growth and hysteresis counters into a dynamic engine scaler's).
+
+    DeepSpeed grows the scale at the first clean update whose ``stable_interval = cur_iter -
+    last_overflow_iter - 1`` is a positive multiple of the window ``W``: ``k`` clean steps from now,
+    with ``s0 = cur_iter - last_overflow_iter - 1``, ``k = W - (s0 mod W) + 1`` (``k = 1`` when
+    ``s0`` is a positive multiple; ``W + 1`` right after an overflow, where the engine, growing
+    after ``W``, cannot wait one more: it grows one step sooner). The engine grows after ``W -
+    growth_tracker`` clean steps, so ``growth_tracker = W - k`` (clamped to ``[0, W - 1]``);
+    ``hysteresis_tracker = cur_hysteresis``. Inverse of
+    :func:`megazero.checkpoint.deepspeed_writer.loss_scaler_record`."""
+    mine = scaler.state_dict()
+    out = {**mine, "scale": float(record.cur_scale)}
+    if "growth_tracker" in mine and getattr(record, "dynamic", False):
+        window = int(getattr(record, "scale_window", scaler.window))
+        s0 = int(record.cur_iter) - int(record.last_overflow_iter) - 1
+        k = 1 if s0 > 0 and s0 % window == 0 else window - s0 % window + 1
+        out["growth_tracker"] = min(max(window - k, 0), window - 1)
+        out["hysteresis_tracker"] = int(getattr(record, "cur_hysteresis", mine["hysteresis_tracker"]))
+    return out
+
+
+@torch.no_grad()
+def _load_frozen(ckpt: DeepSpeedCheckpoint, module, name_of: dict) -> None:
+    """Frozen parameters (in no optimizer group) as DeepSpeed saved them: ZeRO 1/2 in ``module``
+    (whole), ZeRO 3 as every rank's ``frozen_param_fragments`` piece (engine.py
+    ``_load_checkpoint`` / utils/zero_to_fp32.py ``_zero3_merge_frozen_params``)."""
+    frozen = [(name_of[id(p)], p) for p in module.parameters() if not p.requires_grad]
+    if not frozen:
+        return
+    if not ckpt.stage3:
+        saved = ckpt.model.get("module") or {}
+        for name, p in frozen:
+            if name not in saved:
+                _fail(ckpt.model_path, f"no frozen parameter {name!r} in 'module'")
+            p.copy_(saved[name])
+        return
+    pieces = [load_file(_model_file(ckpt.folder, True, r)).get("frozen_param_fragments") or {}
+              for r in range(ckpt.world)]
+    for name, p in frozen:
+        if any(name not in got for got in pieces):
+            _fail(ckpt.model_path, f"no 'frozen_param_fragments' of {name!r} in every rank's model-states file")
+        p.copy_(torch.cat([got[name].reshape(-1) for got in pieces])[:p.numel()].view(p.shape))
+
+
 def load(engine, folder: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
     """Fill the engine from DeepSpeed's files in ``folder`` (collective; every rank reads every
     saved rank's partition and keeps the overlap with its own shard). Returns ``(folder,
@@ -252,9 +299,9 @@ def load(engine, folder: str, load_optimizer_states: bool = True, load_lr_schedu
     zero.load_param_ranges(fetch, kinds)
     if load_optimizer_states:
         zero.iteration = int(ckpt.counters["step"])
-        scale = getattr(ckpt.counters["scaler"], "cur_scale", None)
-        if scale is not None:
-            zero.scaler.load_state_dict({**zero.scaler.state_dict(), "scale": float(scale)})
+        if getattr(ckpt.counters["scaler"], "cur_scale", None) is not None:
+            zero.scaler.load_state_dict(scaler_state(ckpt.counters["scaler"], zero.scaler))
+    _load_frozen(ckpt, module, name_of)
     saved_module = ckpt.model.get("module") or {}
     with torch.no_grad():
         for key in ckpt.model.get("buffer_names") or []:

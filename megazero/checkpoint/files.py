@@ -210,12 +210,12 @@ def read_metadata(root: str, iteration: int) -> dict:
 
 
 def megatron_dist_refusal(path: str, root: str, backend) -> str:
-    """The one line refusing a Megatron-LM ``torch_dist`` folder given to ``--load``: it is
-    converted once, explicitly, into a new folder (nothing is written into the source), and the
-    result loads in any layout."""
-    return (f"{path}: a Megatron-LM {backend} checkpoint, not megazero's; convert it once with "
-            f"`python tools/convert_checkpoint.py from-megatron --load {root} --save NEW_DIR`, then --load NEW_DIR "
-            "(--use-checkpoint-args reads its model flags)")
+    """The one line refusing a Megatron-LM ``torch_dist`` folder where megazero's own format is
+    read (``to-fp32``, ``to-hf``, ``load_model``): ``pretrain_gpt.py --load`` reads it as it is
+    (megazero.checkpoint.torch_dist); these tools read it once converted into a new folder."""
+    return (f"{path}: a Megatron-LM {backend} checkpoint, not megazero's (pretrain_gpt.py --load {root} reads it "
+            f"as it is); for this tool convert it once with `python tools/convert_checkpoint.py from-megatron "
+            f"--load {root} --save NEW_DIR`")
 
 
 def metadata_problems(meta, iteration: int) -> list[str]:

@@ -152,6 +152,31 @@ def load_resharded(reader: CheckpointReader, chunks, optimizer, load_optim: bool
 
 
 @torch.no_grad()
+def load_from_full(read, stages, optimizer, kinds) -> None:
+    """Load ``kinds`` (``("weight",)`` or :data:`OPT_KINDS`) of every parameter this rank holds
+    from ``read(name, kind)``, a source of *full* tensors under megazero's canonical names (a
+    DCP folder, a Megatron-LM torch_dist folder): one parameter's full tensor at a time, cut to
+    this rank's TP slice (a routed expert's: expert-TP) by its split rule, of which
+    :meth:`ZeroOptimizer.load_param_ranges` takes the elements of this rank's ZeRO shard. A
+    weight is cast to the parameter's dtype, a master or moment read as fp32. Collective."""
+    topo = optimizer.topo
+    info = {id(p): (name, module, p_name) for _, name, module, p_name, p, _ in named_parameters(stages.chunks)}
+    cache = {}
+
+    def fetch(p, kind, a, b):
+        if (id(p), kind) not in cache:
+            name, module, p_name = info[id(p)]
+            cache.clear()  # one parameter's tensor at a time
+            rank, size = (topo.etp_rank, topo.etp) if is_expert(module) else (topo.tp_rank, topo.tp)
+            full = read(stages.aliases.get(name, name), kind)
+            full = full.to(p.dtype if kind == "weight" else torch.float32)
+            cache[(id(p), kind)] = to_local(module, p_name, full, rank, size).reshape(-1)
+        return cache[(id(p), kind)][a:b]
+
+    optimizer.load_param_ranges(fetch, kinds)
+
+
+@torch.no_grad()
 def load_buffers(reader: CheckpointReader, chunks) -> list[str]:
     """Copy every persistent buffer the checkpoint saved into ``chunks``' (whole, replicated);
     returns the names it holds none of (left as they are: e.g. a checkpoint saved before

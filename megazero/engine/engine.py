@@ -125,8 +125,10 @@ class ZeroEngine(nn.Module):
         """Every rank writes its part to ``save_dir/tag`` (default tag ``global_step{N}``, as
         DeepSpeed); collective. Returns the folder. ``format="megazero"`` (default): the engine's
         sharded files, loadable here at any DP size and stage; ``format="deepspeed"``: DeepSpeed
-        0.19.8's files (ZeRO 1-3), for DeepSpeed's ``zero_to_fp32`` and ``load_checkpoint`` at this
-        DP size (:mod:`megazero.checkpoint.deepspeed_writer`). ``load_checkpoint`` reads both."""
+        0.19.8's files (ZeRO 1-3, fp16's dynamic scale and frozen parameters included), for
+        DeepSpeed's ``zero_to_fp32`` and ``load_checkpoint`` at this DP size, each rank's partition
+        exchanged from the shards (:mod:`megazero.checkpoint.deepspeed_writer`); opt-in, why:
+        docs/checkpoints.md, "DeepSpeed's files". ``load_checkpoint`` reads both."""
         if not save_latest:
             raise ValueError("engine.save_checkpoint(save_latest=False) is not available: 'latest' is always written")
         if format not in ("megazero", "deepspeed"):

@@ -57,7 +57,7 @@ import torch
 
 from megazero.checkpoint.guard import guard_save_dir
 from megazero.checkpoint import CheckpointError
-from megazero.checkpoint.files import latest_saved_args
+from megazero.checkpoint.torch_dist import saved_args as latest_saved_args  # megazero's or Megatron's torch_dist
 from megazero.checkpoint.reshard import model_mismatch_message
 from megazero.config.configs import RunConfig
 from megazero.config.run_config import data_config, run_config

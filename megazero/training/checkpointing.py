@@ -10,6 +10,7 @@ from megazero.checkpoint.api import load_run, reserve_save, start_save
 from megazero.checkpoint.async_writer import AsyncWriter
 from megazero.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from megazero.checkpoint.files import latest_iteration
+from megazero.checkpoint.torch_dist import is_megatron_dist, load_torch_dist
 
 
 def print_rank(rank: int, target: int, text: str) -> None:
@@ -97,13 +98,18 @@ class TrainerCheckpoints:
     def load(self) -> None:
         """Fast path (same layout and same regions): this rank's file as saved, RNG included.
         Otherwise reshard: each parameter's full tensor from the files that hold it, sliced for
-        this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api)."""
+        this rank's TP/PP/ZeRO shard; the RNG states are not restored (megazero.checkpoint.api).
+        A DCP folder (``--ckpt-format torch_dcp``) and a Megatron-LM torch_dist folder load the
+        same way from their full tensors (megazero.checkpoint.dcp, megazero.checkpoint.torch_dist)."""
         ck = self.config.checkpoint
         self.optimizer.wait_params()
         iteration = latest_iteration(ck.load) if ck.load else None
-        if iteration is not None and is_dcp(ck.load, iteration):
-            loaded = load_dcp(ck.load, iteration, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
-                              model_config=self.model_config, load_optim=ck.load_optim, finetune=ck.finetune)
+        common = dict(topo=self.topo, stages=self.stages, optimizer=self.optimizer, model_config=self.model_config,
+                      load_optim=ck.load_optim, finetune=ck.finetune)
+        if iteration is not None and is_megatron_dist(ck.load, iteration):  # before is_dcp: both have .metadata
+            loaded = load_torch_dist(ck.load, iteration, **common)
+        elif iteration is not None and is_dcp(ck.load, iteration):
+            loaded = load_dcp(ck.load, iteration, **common)
         else:
             loaded = load_run(ck.load, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                               layout=self.layout_record(), model_config=self.model_config, device=self.device,

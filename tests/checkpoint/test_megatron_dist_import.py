@@ -1,7 +1,7 @@
 """Megatron-LM ``torch_dist`` checkpoints (tests/checkpoint/megatron_dist_format.py, written with
 ``torch.distributed.checkpoint`` as megatron-core 0.16.1 writes them) import with
-``from-megatron``: the model's tensors and logits exactly; ``--load`` of the folder is refused
-with the command; bad folders are refused in one line naming the file, nothing written."""
+``from-megatron``: the model's tensors and logits exactly; megazero's own-format tools name the
+command; bad folders are refused in one line naming the file, nothing written."""
 import os
 
 import pytest
@@ -49,15 +49,18 @@ def test_from_megatron_torch_dist_logits(tmp_path, kw, optimizer):
     assert got["swiglu"] == want["swiglu"] and got["position_embedding_type"] == want["position_embedding_type"]
 
 
-def test_load_of_torch_dist_folder_names_the_command(tmp_path):
+def test_megazero_tools_on_a_torch_dist_folder_name_the_command(tmp_path):
+    """megazero's own-format readers (to-fp32, to-hf, load_model) say what it is: pretrain_gpt.py
+    --load reads it (tests/checkpoint/test_megatron_dist_load.py), these tools after from-megatron."""
     model = direct_model(LLAMAISH)
     src = write_torch_dist_checkpoint(str(tmp_path / "mt"), model.full_state_dict(), model.config)
-    with pytest.raises(CheckpointError, match="from-megatron --load .*mt --save NEW_DIR") as e:
+    with pytest.raises(CheckpointError, match="pretrain_gpt.py --load .*mt reads it as it is.*from-megatron "
+                                              "--load .*mt --save NEW_DIR") as e:
         files.read_metadata(src, 7)
     assert "\n" not in str(e.value)
     from megazero.config.checkpoint_args import latest_args
-    saved, why = latest_args(src)
-    assert saved is None and "from-megatron" in why and "\n" not in why
+    saved, why = latest_args(src)  # no reader of Megatron's common.pt given: who reads it
+    assert saved is None and "pretrain_gpt.py reads" in why and "\n" not in why
 
 
 def refused(tmp_path, src, capsys):

@@ -166,3 +166,94 @@ def test_a_bf16_engine_writes_deepspeeds_bf16_names(tmp_path):
     files, same = run_distributed(_bf16_round_trip, 2, _data(2, 1), str(tmp_path), timeout_s=120)[0]
     assert files == [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)] + [
         "mp_rank_00_model_states.pt"] and same, files
+
+
+FP16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 3, "hysteresis": 2}
+
+
+def _fp16_run(rank, world, data, folder, stage):
+    """fp16 with a dynamic scale (overflows, hysteresis, growth in 9 steps): 4 steps, save
+    DeepSpeed's files, 5 more; a second engine loads and takes the same 5 steps."""
+    import megazero
+    from megazero.checkpoint.deepspeed_files import load_file
+
+    def fresh():
+        return megazero.initialize(model=_mlp(), config={**_cfg(stage, 2), "fp16": FP16})[0]
+
+    def steps(engine, todo):
+        out = []
+        for step in todo:
+            for x, y in step[rank]:
+                out.append(((engine(x.half()).float() - y) ** 2).mean())
+                engine.backward(out[-1])
+                engine.step()
+            out[-1] = (out[-1].item(), engine.loss_scale)
+        return out[1::2], engine.skipped_steps
+    engine = fresh()
+    steps(engine, data[:4])
+    scaler = engine.zero.scaler.state_dict()
+    engine.save_checkpoint(folder, "t", format="deepspeed")
+    record = load_file(os.path.join(folder, "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    record = record["optimizer_state_dict"]["loss_scaler"]
+    want = steps(engine, data[4:])
+    other = fresh()
+    other.load_checkpoint(folder)
+    return scaler, vars(record), other.zero.scaler.state_dict(), want, steps(other, data[4:])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_dynamic_loss_scale_is_written_as_deepspeeds_scaler(stage, tmp_path):
+    """DeepSpeed's ``DynamicLossScaler`` with the engine's scale, window, hysteresis and counters
+    (deepspeed_writer.loss_scaler_record); read back into the engine's scaler, the run continues
+    with the same losses, scales and skipped steps."""
+    from megazero.checkpoint.deepspeed_files import scaler_state
+    from megazero.checkpoint.deepspeed_writer import loss_scaler_record
+    from megazero.zero.loss_scaler import DynamicLossScaler
+    for scaler, record, loaded, want, got in run_distributed(_fp16_run, 2, _data(2, 9), str(tmp_path), stage,
+                                                              timeout_s=120):
+        assert record["dynamic"] and record["cur_scale"] == scaler["scale"] and record["scale_window"] == 3
+        assert record["delayed_shift"] == 2 and record["cur_hysteresis"] == max(scaler["hysteresis_tracker"], 1)
+        # a tracker below 1 backs off at the next overflow as 1 does (DeepSpeed keeps it at 1)
+        assert loaded == {**scaler, "hysteresis_tracker": max(scaler["hysteresis_tracker"], 1)}, (loaded, scaler)
+        assert got == want, (got, want)
+        assert want[1] > 0 and len({s for _, s in want[0]}) > 1  # the scale moved after the save
+    for tracker in range(4):  # every growth counter survives the round trip
+        s = DynamicLossScaler(2.0 ** 10, window=4, hysteresis=3)
+        s.growth_tracker, s.hysteresis_tracker = tracker, 2
+        assert scaler_state(loss_scaler_record(s, 11), DynamicLossScaler(window=4)) == s.state_dict()
+
+
+def _frozen_run(rank, world, data, folder, stage, save):
+    """``_mlp`` with its first bias frozen: save (DP 2) or load (the frozen bias zeroed first)."""
+    import megazero
+    from megazero.checkpoint.deepspeed_files import load_file
+    model = _mlp()
+    model[0].bias.requires_grad_(False)
+    if save:
+        with torch.no_grad():
+            model[0].bias.mul_(3)
+    else:
+        torch.nn.init.zeros_(model[0].bias)
+    engine = megazero.initialize(model=model, config=_cfg(stage, 2 * 2 // world))[0]
+    if save:
+        _run(engine, data[0][rank])
+        engine.save_checkpoint(folder, "t", format="deepspeed")
+        name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        states = load_file(os.path.join(folder, "t", name))
+        return states["frozen_param_shapes"], states["frozen_param_fragments"], model[0].bias.detach().clone()
+    engine.load_checkpoint(folder)
+    return model[0].bias.detach().clone()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_are_written_as_deepspeed_writes_them(stage, tmp_path):
+    """``frozen_param_shapes`` and ``frozen_param_fragments`` (whole at ZeRO 2, rank r's padded
+    ceil(8 / 2)-element piece at ZeRO 3); the engine reads them back at DP 1."""
+    saved = run_distributed(_frozen_run, 2, _data(2, 1), str(tmp_path), stage, True, timeout_s=120)
+    for rank, (shapes, pieces, bias) in enumerate(saved):
+        assert list(shapes) == ["0.bias"] and list(shapes["0.bias"]) == [8] and list(pieces) == ["0.bias"]
+        want = bias[rank * 4:(rank + 1) * 4] if stage == 3 else bias
+        assert torch.equal(pieces["0.bias"], want), (rank, pieces, want)
+    loaded = run_distributed(_frozen_run, 1, _data(2, 1), str(tmp_path), 3 if stage == 2 else 1, False,
+                             timeout_s=120)[0]
+    assert torch.equal(loaded, saved[0][2])

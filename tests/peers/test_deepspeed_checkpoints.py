@@ -146,3 +146,96 @@ def test_deepspeed_reads_megazero_engines_deepspeed_files(stage, kind, tmp_path,
     assert all(state == (7, SAVED, SAVED * GAS * 2 * 2) for state, _ in theirs), theirs
     worst = max(abs(a - b) / abs(b) for r in range(2) for a, b in zip(theirs[r][1], ours[r][1]))
     assert worst <= TOL, (stage, worst, theirs, ours)
+
+
+def fp16(power: int) -> dict:
+    """A dynamic fp16 scale from ``2 ** power``, window 2, hysteresis 2."""
+    return {"enabled": True, "initial_scale_power": power, "loss_scale_window": 2, "hysteresis": 2}
+
+
+def _fp16_train(engine, steps, micro_of, scale_of):
+    """fp16 micro-batches of the 5-7-2 MLP: (losses, the loss scale after each optimizer step)."""
+    losses, scales = [], []
+    for step in steps:
+        for a, b in micro_of(step):
+            loss = ((engine(a).float() - b) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        scales.append(scale_of(engine))
+    return losses, scales
+
+
+def _frozen_odd():
+    model = _model("odd")
+    model[0].bias.requires_grad_(False)
+    with torch.no_grad():
+        model[0].bias.mul_(3)
+    return model
+
+
+def megazero_fp16_saving_worker(rank, world, stage, data, folder, frozen, power):
+    """megazero (fp16, dynamic scale; or fp32 with a frozen bias) trains SAVED steps, saves
+    DeepSpeed's files, trains MORE."""
+    warnings.filterwarnings("ignore")
+    import megazero
+    model = _frozen_odd() if frozen else _model("odd")
+    cfg = ds_config(stage, "megazero") if frozen else {**ds_config(stage, "megazero"), "fp16": fp16(power)}
+    engine = megazero.initialize(model=model, model_parameters=groups(model), config=cfg)[0]
+    cast = (lambda t: t) if frozen else (lambda t: t.half())
+    micro = lambda step: [(cast(a), b) for a, b in step[rank]]  # noqa: E731
+    _fp16_train(engine, data[:SAVED], micro, lambda e: e.loss_scale)
+    engine.save_checkpoint(folder, format="deepspeed")
+    at_save = engine.loss_scale
+    return _fp16_train(engine, data[SAVED:], micro, lambda e: e.loss_scale), engine.skipped_steps, at_save
+
+
+def deepspeed_fp16_loading_worker(rank, world, stage, data, folder, frozen, power):
+    """DeepSpeed loads the folder and trains MORE steps. Test-only shim: DeepSpeed's CPU
+    accelerator reports fp16 unsupported when oneDNN lacks fp16 kernels (torch's CPU fp16 ops
+    work), so ``is_fp16_supported`` is made to say True in this forked rank."""
+    warnings.filterwarnings("ignore")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().is_fp16_supported = lambda: True
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _frozen_odd() if frozen else _model("odd")
+    if frozen:
+        torch.nn.init.zeros_(model[0].bias)  # must come back from the checkpoint
+    cfg = ds_config(stage, "deepspeed") if frozen else {**ds_config(stage, "deepspeed"), "fp16": fp16(power)}
+    engine = deepspeed.initialize(model=model, model_parameters=groups(model), config=cfg)[0]
+    engine.load_checkpoint(folder)
+    cast = (lambda t: t) if frozen else (lambda t: t.half())
+    micro = lambda step: [(cast(a), b) for a, b in step[rank]]  # noqa: E731
+    out = _fp16_train(engine, data[SAVED:], micro, lambda e: e.optimizer.loss_scale)
+    with deepspeed.zero.GatheredParameters([model[0].bias], enabled=stage == 3):  # ZeRO 3: partitioned
+        return out, engine.skipped_steps, model[0].bias.detach().float().clone()
+
+
+@pytest.mark.parametrize("kind,stage,power", [("fp16", 1, 18), ("fp16", 2, 19), ("fp16", 3, 12),
+                                              ("frozen", 2, None), ("frozen", 3, None)])
+def test_deepspeed_continues_megazero_fp16_and_frozen(kind, stage, power, tmp_path, deepspeed_ranks):
+    """fp16 with a dynamic loss scale (window 2, hysteresis 2), the save falling after overflows
+    that spent the hysteresis (2 ** 18, 2 ** 19: the next overflow backs off at once) or between
+    growths (2 ** 12: a growth due one step after the save): DeepSpeed takes the engine's scaler
+    (its DynamicLossScaler) and continues with its losses, scales and skipped-step count. (Scales
+    where the two engines already differ without a checkpoint -- the first overflow at 2 ** 16,
+    the growth rule's step after an overflow -- are left out: tests/peers/test_engine_vs_deepspeed.py's
+    matter.) A frozen bias: DeepSpeed restores it from the files (``frozen_param_fragments``) and
+    ``zero_to_fp32`` recovers it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    frozen = kind == "frozen"
+    data, folder = _data("odd"), str(tmp_path / "mz")
+    ours = deepspeed_ranks(megazero_fp16_saving_worker, 2, stage, data, folder, frozen, power, timeout_s=600)
+    theirs = deepspeed_ranks(deepspeed_fp16_loading_worker, 2, stage, data, folder, frozen, power, timeout_s=600)
+    for (got, skipped, bias), (want, want_skipped, _) in zip(theirs, ours):
+        assert got[1] == want[1] and skipped == want_skipped, (got, want, skipped, want_skipped)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0]))
+        assert worst <= TOL, (case, worst, got, want)
+        if frozen:
+            assert torch.equal(bias, _frozen_odd()[0].bias.detach()), bias
+    if frozen:
+        recovered = get_fp32_state_dict_from_zero_checkpoint(folder)
+        assert torch.equal(recovered["0.bias"], _frozen_odd()[0].bias.detach())
+    else:
+        assert ours[0][0][1][-1] != ours[0][2], ours[0]  # the scale moved after the save
