@@ -106,7 +106,8 @@ def test_counters_checkpoint_args_and_bad_input(tmp_path, capfd):
     assert snapshot(src) == [s for s in before if s[1] != "__0_0.distcp"]
 
     # a model megazero cannot build: the file and the option, in one line
-    bad = write_torch_dist_checkpoint(str(tmp_path / "qk"), model.full_state_dict(), model.config, qk_layernorm=True)
+    bad = write_torch_dist_checkpoint(str(tmp_path / "qk"), model.full_state_dict(), model.config,
+                                      rotary_interleaved=True)
     with pytest.raises(CheckpointError, match=r"iter_0000007/common.pt: unsupported Megatron-LM model options: "
-                                              r"qk_layernorm$"):
+                                              r"rotary_interleaved$"):
         build_configs(parse_args(flags_of(model.config) + ["--load", bad], world_size=1))
