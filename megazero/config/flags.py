@@ -15,6 +15,7 @@ import math
 from megazero.config.megatron_flags import add_compat_flags
 from megazero.config.cp_flags import add_cp_flags
 from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
+from megazero.config.muon_flags import add_muon_flags
 from megazero.config.reliability_flags import add_reliability_flags
 from megazero.config.run_checks import TOKENIZERS
 from megazero.config.rank import current_rank
@@ -259,7 +260,7 @@ def build_parser(prog: str | None = None, every_rank: bool = False) -> argparse.
     (a caller that captures the message itself, e.g. ``megazero.initialize``)."""
     p = (argparse.ArgumentParser if every_rank else OneRankParser)(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
-    for add_flags in (add_model_flags, add_moe_flags, add_training_flags, add_evaluation_and_logging_flags,
+    for add_flags in (add_model_flags, add_moe_flags, add_muon_flags, add_training_flags, add_evaluation_and_logging_flags,
                       add_checkpoint_flags, add_parallel_flags, add_data_flags, add_reliability_flags):
         add_flags(p)
     add_compat_flags(p)  # Megatron-LM's other flags: no effect here (class 2) or an error (class 3)
