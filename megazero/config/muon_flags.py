@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from megazero.config.deepspeed_muon import check_muon_config, check_muon_trainer
+
 # megazero.optim.muon.COEFFICIENTS' names (the config package imports no optimizer code; a test keeps them equal)
 COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4")
 OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")  # Megatron's choices
@@ -45,7 +47,12 @@ def add_muon_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_muon(fail, args) -> None:
-    """One line per Muon setting megazero cannot honour (module docstring)."""
+    """One line per Muon setting megazero cannot honour (module docstring); a DeepSpeed config's
+    Muon block: :mod:`.deepspeed_muon`'s checks."""
+    if getattr(args, "muon_halves", None) is not None:
+        check_muon_config(fail, args)
+        check_muon_trainer(fail, args)
+        return
     opt = getattr(args, "optimizer", "adam")
     if opt in ("sgd", "lion", "soap", "adaptive_muon"):
         fail(f"--optimizer {opt} is not available in megazero; use adam or muon")

@@ -22,7 +22,13 @@ run equals the reference to its rounding:
   coefficient schedule ``--muon-coefficient-type`` (cycled; ``repeat_last`` for polar_express,
   cans, deepseekv4);
 * ``deepspeed`` (DeepSpeed 0.19.8 ``zeropower_via_newtonschulz5``, ``ns_method: standard``):
-  bf16, ``X / (||X|| + 1e-7)``, ``b * A + c * A @ A`` written out, the scale applied in bf16.
+  bf16, ``X / (||X|| + 1e-7)``, ``b * A + c * A @ A`` written out, the scale applied in bf16;
+* ``deepspeed_gram`` (DeepSpeed 0.19.8 ``zeropower_via_gram_newtonschulz``, its default
+  ``ns_method: gram``): the same polynomial iterated on the Gram matrix R = X X^T (Q accumulates
+  the left factor, X <- Q X at the restart after step 2 and at the end), normalized in fp32, run in
+  fp16 where the device has fp16 matmuls (a GPU; a CPU with oneDNN fp16), else fp32
+  (``ns_dtype=None`` chooses so, as DeepSpeed's ``ns_compute_dtype``); square matrices take the
+  plain iteration.
 
 Scale s(rows, cols) of the update (rows = output dim): torch's ``adjust_lr_fn`` ``original``
 (default) = Megatron's ``shape_scaling`` = DeepSpeed's = sqrt(max(1, rows/cols));
@@ -56,7 +62,7 @@ COEFFICIENTS = {
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
 }
 REPEAT_LAST = ("polar_express", "cans", "deepseekv4")
-FLAVOURS = ("torch", "megatron", "deepspeed")
+FLAVOURS = ("torch", "megatron", "deepspeed", "deepspeed_gram")
 SCALE_MODES = ("original", "match_rms_adamw", "shape_scaling", "spectral", "unit_rms_norm")
 
 
@@ -113,8 +119,48 @@ def scale_factor(rows: int, cols: int, settings: MuonSettings) -> float:
     return s * settings.extra_scale
 
 
+def gram_dtype(device) -> torch.dtype:
+    """DeepSpeed's ``ns_compute_dtype("gram")``: fp16 where supported (CUDA; oneDNN on a CPU), else fp32."""
+    if torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return torch.float16
+    return torch.float32
+
+
+def _gram_newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """DeepSpeed's Gram Newton-Schulz (``deepspeed_gram`` flavour, fixed coefficients), in its op order."""
+    a, b, c = COEFFICIENTS["simple"][0]
+    dtype = gram_dtype(u.device)
+    flip = u.size(0) > u.size(1)
+    x = (u.float() if u.dtype == torch.float16 else u)
+    x = x.mT if flip else x
+    n, m = x.shape
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    if m <= n:
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.mT if flip else x
+    r, q = x @ x.mT, None
+    for i in range(steps):
+        if i == 2:  # DeepSpeed's restart
+            x = q @ x
+            r, q = x @ x.mT, None
+        z = b * r + c * r @ r
+        if q is None:
+            q = z.clone()
+            q.diagonal().add_(a)
+        else:
+            q = a * q + z @ q
+        if i < steps - 1 and i + 1 != 2:
+            rz = a * r + z @ r
+            r = a * rz + z @ rz
+    return x.mT @ q.mT if flip else q @ x
+
+
 def newton_schulz(u: torch.Tensor, settings: MuonSettings) -> torch.Tensor:
     """NS_k(U) for a 2-D ``u`` in the settings' flavour; returned in fp32, unscaled."""
+    if settings.flavour == "deepspeed_gram":
+        return _gram_newton_schulz(u, int(settings.ns_steps)).float().contiguous()
     flip = u.size(0) > u.size(1)
     if settings.flavour == "megatron":
         x = u.float().mT if flip else u.float()
@@ -145,6 +191,8 @@ def orthogonalize(u: torch.Tensor, settings: MuonSettings, row_blocks=None) -> t
     o = newton_schulz(u, settings)
     if settings.flavour == "deepspeed":  # DeepSpeed scales in the NS dtype, then casts
         return (o.to(settings.ns_dtype) * s).float()
+    if settings.flavour == "deepspeed_gram":
+        return (o.to(gram_dtype(u.device)) * s).float()
     return o * s
 
 
