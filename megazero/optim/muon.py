@@ -202,7 +202,8 @@ def momentum_input(grads, bufs, params, settings: MuonSettings, weight_decay: fl
     with Nesterov, else the buffers themselves)."""
     if not settings.decoupled and weight_decay:
         grads = [g.add(p, alpha=weight_decay) for g, p in zip(grads, params)]
-    torch._foreach_lerp_(bufs, grads, 1.0 - settings.momentum)
+    for b, g in zip(bufs, grads):  # per tensor: torch.optim.Muon's and DeepSpeed's own op (foreach's lerp rounds apart)
+        b.lerp_(g, 1.0 - settings.momentum)
     if settings.nesterov:
         return [g.lerp(b, settings.momentum) for g, b in zip(grads, bufs)]
     return list(bufs)
