@@ -10,6 +10,7 @@ from megazero.checkpoint.api import load_run, reserve_save, start_save
 from megazero.checkpoint.async_writer import AsyncWriter
 from megazero.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from megazero.checkpoint.files import latest_iteration
+from megazero.training.optimizer_match import check_optimizer_matches
 
 
 def print_rank(rank: int, target: int, text: str) -> None:
@@ -101,6 +102,8 @@ class TrainerCheckpoints:
         ck = self.config.checkpoint
         self.optimizer.wait_params()
         iteration = latest_iteration(ck.load) if ck.load else None
+        if iteration is not None and ck.load_optim and not ck.finetune:  # AdamW state into Muon, or the reverse
+            check_optimizer_matches(ck.load, iteration, self.config.flags)
         if iteration is not None and is_dcp(ck.load, iteration):
             loaded = load_dcp(ck.load, iteration, topo=self.topo, stages=self.stages, optimizer=self.optimizer,
                               model_config=self.model_config, load_optim=ck.load_optim, finetune=ck.finetune)
