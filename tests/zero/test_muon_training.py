@@ -75,3 +75,27 @@ def test_muon_bad_settings_are_one_line():
             parse_args(TINY + flags, world_size=1)
         line = err.getvalue().strip().splitlines()[-1]
         assert needle in line, line
+
+
+def test_deepspeed_config_muon_block_for_pretrain_gpt(tmp_path):
+    """``--deepspeed-config`` with DeepSpeed's Muon block: its settings (gram, Nesterov, DeepSpeed's
+    Adam-half defaults); refused when the halves' lr differ (DeepSpeed's 0.02 / 3e-4 defaults)."""
+    import contextlib
+    import io
+    import json
+    from megazero.config.optimizer import OptimizerConfig
+    base = [a for a in TINY[:TINY.index("--optimizer")] if a not in ("--lr", "2e-3", "--adam-eps", "1e-6")]
+    path = tmp_path / "ds.json"
+    block = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+             "optimizer": {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.05}}}
+    path.write_text(json.dumps(block))
+    args = parse_args(base + ["--deepspeed-config", str(path)], world_size=1)
+    cfg = OptimizerConfig.from_args(args)
+    assert (cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps) == (1e-3, 0.05, (0.9, 0.95), 1e-10)
+    assert cfg.muon["flavour"] == "deepspeed_gram" and cfg.muon["momentum"] == 0.9 and cfg.muon["nesterov"]
+    del block["optimizer"]["params"]["lr"]
+    path.write_text(json.dumps(block))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        parse_args(base + ["--deepspeed-config", str(path)], world_size=1)
+    assert "different lr" in err.getvalue()
