@@ -1,7 +1,9 @@
 """Muon over ZeRO shards: each matrix's update computed once, by an owner rank (layer-wise).
 
 State: a Muon matrix's momentum lives in its region's ``exp_avg`` shard (same place, same
-checkpoint name as Adam's first moment; ``exp_avg_sq`` stays zero there). The momentum lerp and
+checkpoint name as Adam's first moment); the region's ``exp_avg_sq`` becomes a
+:class:`~.compact_moment.CompactMoment` that stores the AdamW ranges only (a checkpoint still
+sees a shard-length vector, zero on the matrices). The momentum lerp and
 the Nesterov blend are elementwise, so they run on each rank's shard (:func:`momentum_input`);
 only the Newton-Schulz input U needs the whole matrix. Per step, for the matrices of the
 regions sharded over one group (``dp``, or ``edp`` for routed experts), with N members:
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.optim.muon import MuonSettings, apply_update, momentum_input, orthogonalize
+
+from .compact_moment import CompactMoment
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ class MuonShards:
             groups.setdefault(regions[e.region].group, []).append(e)
         self.rounds = {name: self._deal(es, comm.groups[name][1]) for name, es in groups.items()}
         self.ranges = [self._shard_ranges(r, i) for i, r in enumerate(regions)]
+        for r, muon in zip(regions, self.ranges):  # no second moment on the Muon matrices
+            if muon:
+                r.exp_avg_sq = CompactMoment(r.shard_len, _subtract([(0, r.shard_len)], muon), r.master.device,
+                                             source=r.exp_avg_sq)
 
     @staticmethod
     def _deal(entries, n: int) -> list[list]:
