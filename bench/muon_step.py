@@ -2,8 +2,8 @@
 (4 layers, hidden 128, 4 heads, seq 128, vocabulary 4096), fp32, one process (ZeRO 0) and DP 2
 (ZeRO 1: the Muon matrices dealt to owner ranks); random gradients written into the flat
 gradient shards, the median of REPS ``step()`` calls; the optimizer-state bytes per rank
-(fp32 master + moments as allocated) and what each optimizer needs (Muon: no second moment on its
-matrices).
+(fp32 master and moments as allocated: Muon keeps no second moment on its matrices);
+``muon`` runs Newton-Schulz in bf16 (Megatron's default), ``muon-fp32`` in fp32.
 
     PYTHONPATH=. .venv/bin/python bench/muon_step.py [REPS]
 """
@@ -34,9 +34,10 @@ def worker(rank, world, optimizer, reps):
     opt = ZeroOptimizer(stages.chunks, topo, stage=0 if world == 1 else 1, lr=1e-3, weight_decay=0.1,
                         shared_params=stages.shared_params)
     muon_elems = 0
-    if optimizer == "muon":
+    if optimizer.startswith("muon"):
         settings = MuonSettings(momentum=0.9, nesterov=False, flavour="megatron", coefficient_type="quintic",
-                                scale_mode="spectral", split_qkv=True)
+                                scale_mode="spectral", split_qkv=True,
+                                ns_dtype=torch.float32 if optimizer.endswith("fp32") else torch.bfloat16)
         matrices = muon_matrices(stages, topo, True)
         opt.set_muon(settings, matrices)
         muon_elems = sum(p.numel() for p in matrices)
@@ -48,21 +49,20 @@ def worker(rank, world, optimizer, reps):
         assert opt.step()[0]
         times.append(time.perf_counter() - t0)
     sb = opt.state_bytes()
-    shard_muon = sum(b - a for rr in (opt.muon.ranges if opt.muon else []) for a, b in rr)
-    return {"ms": 1e3 * statistics.median(times), "allocated": sb["master"] + sb["moments"],
-            "needed": sb["master"] + sb["moments"] - 4 * shard_muon, "phi": opt.phi, "muon_elems": muon_elems}
+    return {"ms": 1e3 * statistics.median(times), "master": sb["master"], "moments": sb["moments"],
+            "phi": opt.phi, "muon_elems": muon_elems}
 
 
 def main():
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    print(f"{'layout':10} {'optimizer':8} {'step ms':>8} {'state B/rank allocated':>24} {'needed':>10}")
+    print(f"{'layout':7} {'optimizer':10} {'step ms':>8} {'master B/rank':>14} {'moments B/rank':>15} {'total':>11}")
     for world in (1, 2):
-        for optimizer in ("adam", "muon"):
+        for optimizer in ("adam", "muon", "muon-fp32"):
             res = run_distributed(worker, world, optimizer, reps, timeout_s=600)
             r = res[0]
-            print(f"{'DP' + str(world):10} {optimizer:8} {max(x['ms'] for x in res):8.1f} "
-                  f"{r['allocated']:24,d} {r['needed']:10,d}   (phi {r['phi']:,}, Muon elements {r['muon_elems']:,})",
-                  flush=True)
+            print(f"{'DP' + str(world):7} {optimizer:10} {max(x['ms'] for x in res):8.1f} {r['master']:14,d} "
+                  f"{r['moments']:15,d} {r['master'] + r['moments']:11,d}   (rank 0; phi {r['phi']:,}, "
+                  f"Muon elements {r['muon_elems']:,})", flush=True)
 
 
 if __name__ == "__main__":
