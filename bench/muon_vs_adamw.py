@@ -27,7 +27,7 @@ def argv(data: str, iters: int, lr: float, optimizer: str) -> list[str]:
             "--max-position-embeddings", "128", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
             "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", str(iters),
             "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-decay-style", "cosine", "--lr-warmup-iters", "8",
-            "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", os.environ.get("SEED", "1234"),
             "--data-path", f"{data}/kjv_text_document", "--split", "98,2,0",
             "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", f"{data}/kjv_sp.model",
             "--log-interval", "10", "--eval-interval", str(max(iters // 4, 1)), "--eval-iters", "4",
@@ -50,7 +50,7 @@ def run(data: str, iters: int, lr: float, optimizer: str) -> dict:
 def main():
     data = sys.argv[1]
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 80
-    lrs = [float(x) for x in sys.argv[3:]] or [1e-3, 3e-3, 1e-2]
+    lrs = [float(x) for x in sys.argv[3:]] or [1e-3, 3e-3, 1e-2]  # SEED=... for another seed
     for optimizer in ("adam", "muon"):
         for lr in lrs:
             print(json.dumps(run(data, iters, lr, optimizer)), flush=True)
