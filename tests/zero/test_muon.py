@@ -135,3 +135,17 @@ def test_muon_zero_tp_pp_equal_torch():
             assert err <= 1e-5, f"rank {rank} tp{tp} pp{pp} vp{vp} stage {stage}: {err:.2e}"
             if stage >= 1 and tp * pp == 1:
                 assert rounds >= 1  # matrices were dealt to owners
+
+
+def test_compact_moment_and_coefficient_names():
+    from megazero.config.muon_flags import COEFFICIENT_TYPES
+    from megazero.optim.muon import COEFFICIENTS
+    from megazero.zero.compact_moment import CompactMoment
+    assert set(COEFFICIENT_TYPES) == set(COEFFICIENTS)
+    full = torch.arange(10, dtype=torch.float32)
+    m = CompactMoment(10, [(0, 3), (7, 10)], "cpu", source=full)
+    assert m.numel() == 6 and torch.equal(m.clone(), torch.where((full < 3) | (full >= 7), full, 0.0))
+    m[1:3].add_(1.0)
+    assert m.clone()[2] == 3.0 and torch.equal(m[4:6], torch.zeros(2))
+    with pytest.raises(ValueError):
+        m[2:5]
