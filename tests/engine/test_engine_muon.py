@@ -106,9 +106,9 @@ def _resume_worker(rank, world, path, data):
 
 
 def test_engine_muon_checkpoint_resumes_exactly(tmp_path):
-    """ZeRO 2, DP 2: two steps, save, a fresh engine loads and takes the third: the losses of the
-    uninterrupted run, bit for bit (Muon's momentum restored with the masters)."""
-    data = batches("gpt2", STEPS, 2, GAS)
+    """ZeRO 2, DP 2: two steps, save, a fresh engine loads and takes two more (the fourth's losses
+    depend on the third's momentum): the losses of the uninterrupted run, bit for bit."""
+    data = batches("gpt2", 4, 2, GAS)
     straight = run_distributed(_worker, 2, 2, data, timeout_s=300)
     resumed = run_distributed(_resume_worker, 2, str(tmp_path), data, timeout_s=300)
     assert resumed == straight
