@@ -36,6 +36,7 @@ from megazero.config.mla_flags import check_mla
 from megazero.config.moe_flags import check_moe, check_moe_training, derive_moe
 from megazero.config.mtp_flags import check_mtp
 from megazero.config.pipeline_flags import check_pipeline_schedule, derive_pipeline
+from megazero.config.muon_flags import check_muon
 from megazero.config.domains import check_domains
 from megazero.config.reliability_flags import check_reliability, derive_reliability
 from megazero.config.run_checks import check_required, check_run, check_sample_counts
@@ -294,7 +295,7 @@ def problems_of(args, training: bool = False, extra_checks=()) -> list[str]:
     outside = [p.split(" ", 1)[0] for p in problems]  # the flags whose value is outside its domain
     checks = [_validate_grid, _validate_model, _first_only(_validate_batch_schedule),
               _validate_layout, _validate_pipeline, check_run, _validate_schedule, _validate_features, check_moe,
-              check_cp, check_reliability, check_mla, check_mtp]
+              check_cp, check_reliability, check_mla, check_mtp, check_muon]
     more = [check_required, check_moe_training, check_sample_counts] if training else []
     for check in checks + more + list(extra_checks):
         found = []

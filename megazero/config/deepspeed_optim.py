@@ -20,6 +20,7 @@ client scheduler, as Megatron-DeepSpeed passes it).
 
 from __future__ import annotations
 
+from megazero.config.deepspeed_muon import apply_muon
 from megazero.config.deepspeed_keys import (OPTIMIZER_NO_EFFECT, OPTIMIZER_PARAMS, OPTIMIZER_TYPES, SCHEDULER_DEFAULTS,
                                      SCHEDULER_PARAMS)
 
@@ -53,8 +54,11 @@ def apply_optimizer(m) -> dict:
     if not block:
         return {"present": False, "torch_adam": False}
     kind = block.get("type")
+    if isinstance(kind, str) and kind.lower() == "muon":  # DeepSpeed 0.19.8's Muon: config/deepspeed_muon.py
+        apply_muon(m, m.block("optimizer.params", block.get("params")))
+        return {"present": True, "torch_adam": False}
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_TYPES:
-        m.fail(f"optimizer.type {kind!r} is not available in megazero; use Adam or AdamW")
+        m.fail(f"optimizer.type {kind!r} is not available in megazero; use Adam, AdamW or Muon")
     for key in block:
         if key not in ("type", "params"):
             m.notes["no effect" if key == "legacy_fusion" else "unknown, not read"].append(f"optimizer.{key}")

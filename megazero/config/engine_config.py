@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megazero.config.deepspeed_config import apply_deepspeed_config
+from megazero.config.deepspeed_muon import check_muon_config
 from megazero.config.flags import build_parser
 
 
@@ -57,6 +58,7 @@ class EngineConfig:
     max_reuse_distance: int          # stage3_max_reuse_distance
     optimizer_in_config: bool
     scheduler: dict | None = None    # DeepSpeedLRScheduler keywords, None: no scheduler block
+    muon: dict | None = None         # optimizer.type Muon: {"settings": MuonSettings fields, "halves": ...}
     summary: str = ""
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -131,4 +133,16 @@ def _typed(args, loaded: dict, dp_size: int, summary: str) -> EngineConfig:
         prefetch_bucket_size=args.zero_prefetch_bucket_size,
         param_persistence_threshold=args.zero_param_persistence_threshold,
         max_live_parameters=args.zero_max_live_parameters, max_reuse_distance=args.zero_max_reuse_distance,
-        optimizer_in_config="optimizer" in loaded, scheduler=args.deepspeed_scheduler, summary=summary, raw=loaded)
+        optimizer_in_config="optimizer" in loaded, scheduler=args.deepspeed_scheduler, summary=summary, raw=loaded,
+        muon=_muon(args))
+
+
+def _muon(args) -> dict | None:
+    """A Muon block's settings and halves (config/deepspeed_muon.py), its refusals raised."""
+    if getattr(args, "muon_halves", None) is None:
+        return None
+    problems = []
+    check_muon_config(problems.append, args)
+    if problems:
+        raise ValueError(f"megazero.initialize: {problems[0]}")
+    return {"settings": dict(args.muon_settings), "halves": args.muon_halves}

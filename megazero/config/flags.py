@@ -18,6 +18,7 @@ from megazero.config.mla_flags import add_mla_flags
 from megazero.config.moe_flags import add_expert_parallel_flags, add_moe_flags
 from megazero.config.mtp_flags import add_mtp_flags
 from megazero.config.pipeline_flags import add_pipeline_schedule_flag
+from megazero.config.muon_flags import add_muon_flags
 from megazero.config.reliability_flags import add_reliability_flags
 from megazero.config.run_checks import TOKENIZERS
 from megazero.config.rank import current_rank
@@ -276,7 +277,7 @@ def build_parser(prog: str | None = None, every_rank: bool = False) -> argparse.
     (a caller that captures the message itself, e.g. ``megazero.initialize``)."""
     p = (argparse.ArgumentParser if every_rank else OneRankParser)(prog=prog, allow_abbrev=False,
                                 description="megazero: 3D-parallel GPT pretraining (Megatron-LM flag names).")
-    for add_flags in (add_model_flags, add_mla_flags, add_moe_flags, add_mtp_flags, add_training_flags,
+    for add_flags in (add_model_flags, add_mla_flags, add_moe_flags, add_mtp_flags, add_muon_flags, add_training_flags,
                       add_evaluation_and_logging_flags, add_checkpoint_flags, add_parallel_flags, add_data_flags,
                       add_reliability_flags):
         add_flags(p)

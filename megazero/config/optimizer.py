@@ -41,6 +41,7 @@ class OptimizerConfig:
     max_reuse_distance: int
     decoupled_weight_decay: bool = True
     overlap_param_gather: bool = False
+    muon: dict | None = None  # --optimizer muon: megazero.optim.muon.MuonSettings' fields (not a ZeroOptimizer keyword)
 
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
@@ -59,8 +60,26 @@ class OptimizerConfig:
                    prefetch_bucket_size=args.zero_prefetch_bucket_size,
                    param_persistence_threshold=args.zero_param_persistence_threshold,
                    max_live_parameters=args.zero_max_live_parameters,
-                   max_reuse_distance=args.zero_max_reuse_distance)
+                   max_reuse_distance=args.zero_max_reuse_distance, muon=muon_settings(args))
 
     def kwargs(self) -> dict:
         """The keyword arguments of ``ZeroOptimizer``."""
-        return asdict(self)
+        kw = asdict(self)
+        kw.pop("muon")
+        return kw
+
+
+def muon_settings(args) -> dict | None:
+    """``--optimizer muon``'s ``MuonSettings`` fields from Megatron's ``--muon-*`` flags (the
+    ``megatron`` Newton-Schulz flavour; ``--muon-fp32-matmul-prec medium`` runs it in bf16, ``high``
+    in fp32); None for AdamW. A DeepSpeed config's Muon block sets ``args.muon_settings`` itself."""
+    given = getattr(args, "muon_settings", None)
+    if given is not None:
+        return dict(given)
+    if getattr(args, "optimizer", "adam") != "muon":
+        return None
+    return dict(momentum=args.muon_momentum, nesterov=bool(args.muon_nesterov), ns_steps=args.muon_num_ns_steps,
+                coefficient_type=args.muon_coefficient_type, flavour="megatron",
+                ns_dtype=torch.bfloat16 if args.muon_fp32_matmul_prec == "medium" else torch.float32,
+                scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
+                split_qkv=bool(args.muon_split_qkv), decoupled=bool(args.adam_w_mode))

@@ -45,6 +45,7 @@ from .checks import check_registered, check_same_model, slow_knobs
 from .engine import ZeroEngine
 from .optimizer import EngineOptimizer
 from megazero.optim.group_schedule import GroupLRScheduler
+from .muon import muon_setup
 from .units import default_units
 
 
@@ -187,6 +188,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     materialize = _prepare(model, cfg, param_init)
     topo = Topology(world, rank).create_groups()
     zero = _zero(model, topo, cfg, _units(model, zero_units), materialize)
+    if cfg.muon is not None:  # DeepSpeed's Muon halves (engine/muon.py)
+        groups, settings, matrices = muon_setup(model, groups, cfg.muon)
+        zero.set_muon(settings, matrices)
     defaults = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     opt = EngineOptimizer(zero, groups, defaults)
     if cfg.scheduler is not None:

@@ -27,7 +27,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def hparams(self) -> list[dict]:
         """Every group's settings now (a scheduler may have changed ``lr``)."""
-        return [{k: g[k] for k in HPARAMS} for g in self.param_groups]
+        return [{k: g[k] for k in HPARAMS if k in g} | {"use_muon": g.get("use_muon", False)}
+                for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -175,6 +175,11 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
         stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)
     if config.schedule.lr.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR
         optimizer.set_decoupled_params(stages.decoupled_lr_params)
+    if config.optimizer.muon is not None:  # --optimizer muon: the 2-D hidden matrices (training/muon_setup.py)
+        from megazero.optim.muon import MuonSettings
+        from megazero.training.muon_setup import muon_matrices
+        settings = MuonSettings(**config.optimizer.muon)
+        optimizer.set_muon(settings, muon_matrices(stages, topo, settings.split_qkv))
     runner = PipelineRunner(topo, config.schedule.num_micro_batches, stages.activation_shape,        # 8
                             stages.activation_dtype)
     tb = TensorBoardLogger(log.tensorboard_dir, enabled=launch.rank == par.world_size - 1,          # 9

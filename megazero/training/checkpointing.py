@@ -11,6 +11,7 @@ from megazero.checkpoint.async_writer import AsyncWriter
 from megazero.checkpoint.dcp import is_dcp, load_dcp, save_dcp
 from megazero.checkpoint.files import latest_iteration
 from megazero.checkpoint.torch_dist import is_megatron_dist, load_torch_dist
+from megazero.training.optimizer_match import check_optimizer_matches
 
 
 def print_rank(rank: int, target: int, text: str) -> None:
@@ -106,8 +107,11 @@ class TrainerCheckpoints:
         iteration = latest_iteration(ck.load) if ck.load else None
         common = dict(topo=self.topo, stages=self.stages, optimizer=self.optimizer, model_config=self.model_config,
                       load_optim=ck.load_optim, finetune=ck.finetune)
-        if iteration is not None and is_megatron_dist(ck.load, iteration):  # before is_dcp: both have .metadata
-            loaded = load_torch_dist(ck.load, iteration, **common)
+        megatron = iteration is not None and is_megatron_dist(ck.load, iteration)  # before is_dcp: both have .metadata
+        if iteration is not None and not megatron and ck.load_optim and not ck.finetune:
+            check_optimizer_matches(ck.load, iteration, self.config.flags)  # AdamW state into Muon, or the reverse
+        if megatron:
+            loaded = load_torch_dist(ck.load, iteration, **common)  # weights only: no optimizer state to match
         elif iteration is not None and is_dcp(ck.load, iteration):
             loaded = load_dcp(ck.load, iteration, **common)
         else:

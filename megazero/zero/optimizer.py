@@ -133,6 +133,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         self.last_comm: dict = {}
         self._lr_ranges = None  # set_decoupled_params: per region, (other, decoupled) shard ranges
         self._group_ranges = None  # set_param_groups: per group, per region, its shard ranges
+        self.muon = None  # set_muon: the Muon matrices' step (zero/muon_shards.py)
 
     # ---- gradients -------------------------------------------------------------------------
     @property
@@ -156,6 +157,12 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         elements, as ``torch.optim.AdamW`` does) instead of the matrices-only decay."""
         sets = [{id(p) for p in ps} for ps in groups]
         self._group_ranges = [[split_shard_ranges(r, ids)[1] for r in self.regions] for ids in sets]
+
+    def set_muon(self, settings, matrices) -> None:
+        """Step ``matrices`` (``{param: MuonMatrix}``) with Muon (``settings``: a
+        :class:`~megazero.optim.muon.MuonSettings`), the rest with AdamW; see :mod:`.muon_shards`."""
+        from .muon_shards import MuonShards
+        self.muon = MuonShards(self.regions, self.comm, settings, matrices)
 
     @property
     def norm_group(self) -> str:
@@ -221,6 +228,9 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
             groups = [(lr, [[(0, r.shard_len)] for r in self.regions])]
         if decoupled_lr is not None and self._lr_ranges is not None and groups:
             groups = [(lr, [main for main, _ in self._lr_ranges]), (decoupled_lr, [d for _, d in self._lr_ranges])]
+        if self.muon is not None and groups:
+            groups = [(group_lr, self.muon.adam_ranges(ranges)) for group_lr, ranges in groups]
+            self.muon.step(self.regions, grads, lr=lr, weight_decay=self.weight_decay)
         for group_lr, ranges in groups:
             for lists, decay_grads in shard_slices(self.regions, grads, adam_slice(self.device), ranges):
                 adamw_step(*lists, step=self.iteration, lr=group_lr, betas=self.betas, eps=self.eps,
@@ -245,7 +255,16 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
         """Adam(W) group by group over each group's shard ranges (:meth:`set_param_groups`)."""
         if self._group_ranges is None or len(hparams) != len(self._group_ranges):
             raise ValueError("apply_step(hparams=...) needs one dict per group given to set_param_groups")
+        muon = [h for h in hparams if h.get("use_muon")]
+        if self.muon is not None and muon:
+            if any((h["lr"], h["weight_decay"]) != (muon[0]["lr"], muon[0]["weight_decay"]) for h in muon):
+                raise ValueError("Muon param groups must share one lr and weight_decay")
+            self.muon.step(self.regions, grads, lr=muon[0]["lr"], weight_decay=muon[0]["weight_decay"])
         for h, ranges in zip(hparams, self._group_ranges):
+            if h.get("use_muon"):
+                continue
+            if self.muon is not None:
+                ranges = self.muon.adam_ranges(ranges)
             for lists, decay_grads in shard_slices(self.regions, grads, adam_slice(self.device), ranges,
                                                      decay_all=True):
                 adamw_step(*lists, step=self.iteration, lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],

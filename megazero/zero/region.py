@@ -259,7 +259,7 @@ class Region:
         """This rank's ``master``, ``exp_avg``, ``exp_avg_sq`` shards (fp32): copies, or with
         ``copy=False`` the live tensors (to write them out before the next step)."""
         kinds = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        return {k: v.clone() if copy else v for k, v in kinds.items()}
+        return {k: v.clone() if copy or not isinstance(v, torch.Tensor) else v for k, v in kinds.items()}
 
     def load_shard_state(self, state: dict) -> None:
         """Inverse of :meth:`shard_state` (same layout); call :meth:`write_back` after."""
@@ -310,4 +310,4 @@ class Region:
         params = (self.shard_len if self.partitioned else self.padded) * psz
         grads = (self.padded if self.persistent_grad else self.shard_len) * gsz
         return {"params": params, "grads": grads, "master": 4 * self.shard_len,
-                "moments": 8 * self.shard_len}
+                "moments": 4 * (self.exp_avg.numel() + self.exp_avg_sq.numel())}
