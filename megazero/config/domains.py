@@ -33,22 +33,24 @@ moe_router_num_groups moe_router_group_topk moe_shared_expert_intermediate_size 
 train_iters train_samples exit_interval recompute_num_layers lr_decay_iters lr_decay_samples eval_interval
 log_interval tensorboard_log_interval tensorboard_queue_size save_interval loss_scale_window hysteresis
 tensor_model_parallel_size pipeline_model_parallel_size num_layers_per_virtual_pipeline_stage
-context_parallel_size expert_model_parallel_size expert_tensor_parallel_size vocab_size straggler_minmax_count"""
+context_parallel_size expert_model_parallel_size expert_tensor_parallel_size vocab_size straggler_minmax_count
+q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim mtp_num_layers muon_num_ns_steps"""
 
 _AT_LEAST_0 = """num_experts lr_warmup_iters lr_warmup_samples eval_iters num_workers zero_reduce_bucket_size
 zero_prefetch_bucket_size zero_param_persistence_threshold zero_max_live_parameters zero_max_reuse_distance
 norm_epsilon weight_decay clip_grad adam_eps init_method_std moe_aux_loss_coeff moe_z_loss_coeff
-moe_router_bias_update_rate lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init error_injection_rate"""
+moe_router_bias_update_rate lr min_lr decoupled_lr decoupled_min_lr lr_warmup_init error_injection_rate mscale
+mscale_all_dim mtp_loss_scaling_factor"""
 
 _POSITIVE = """moe_router_topk_scaling_factor moe_expert_capacity_factor exit_duration_in_mins loss_scale
-initial_loss_scale min_loss_scale distributed_timeout_minutes"""
+initial_loss_scale min_loss_scale distributed_timeout_minutes rotary_scaling_factor muon_extra_scale_factor"""
 
 DOMAINS = {
     **{dest: "[1, inf)" for dest in _AT_LEAST_1.split()},
     **{dest: "[0, inf)" for dest in _AT_LEAST_0.split()},
     **{dest: "(0, inf)" for dest in _POSITIVE.split()},
     "attention_dropout": "[0, 1)", "hidden_dropout": "[0, 1)",
-    "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)",
+    "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "muon_momentum": "[0, 1)",
     "lr_warmup_fraction": "[0, 1)",
     "seed": f"[0, {2 ** 31})",
     "zero_stage": "[0, 3]",

@@ -116,5 +116,5 @@ def test_megatron_errors(tmp_path):
     with pytest.raises(CheckpointError, match="unreadable"):
         MegatronCheckpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match="unknown Megatron-LM parameter"):
-        megazero_name("decoder.layers.0.self_attention.q_layernorm.weight")
+        megazero_name("decoder.layers.0.mlp.linear_fc3.weight")
     assert megazero_name("decoder.layers.3.mlp.linear_fc1.layer_norm_bias") == ("layers.3.post_attention_norm.bias", 3)

@@ -20,7 +20,7 @@ def test_flags_reach_the_config_and_checkpoint_args():
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--mtp-num-layers", "0"], "--mtp-num-layers 0 must be >= 1"),
+    (["--mtp-num-layers", "0"], "--mtp-num-layers must be >= 1, got 0"),
     (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--position-embedding-type", "rope"],
      "needs --untie-embeddings-and-output-weights"),
     (["--mtp-num-layers", "1"], "needs --position-embedding-type rope (got learned_absolute)"),

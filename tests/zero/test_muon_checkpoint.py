@@ -6,9 +6,11 @@ muon`` (or the reverse) stops with one line unless ``--no-load-optim``."""
 
 import numpy as np
 import pytest
+import torch
 
 from megazero.arguments import parse_args
 from megazero.testing import run_distributed
+from tests.checkpoint.test_convert_checkpoint import tool
 from tests.test_training import make_dataset
 from tests.zero.test_muon_training import TINY as MUON
 
@@ -46,6 +48,13 @@ def test_resume_and_reshard_are_exact(tmp_path, data):
     assert [l for _, l in first + same] == [l for _, l in full], "resumed Muon run diverged"
     other = run(common + B + ["--load", str(tmp_path / "ck"), "--save", str(tmp_path / "other")])
     np.testing.assert_allclose([l for _, l in other], [l for _, l in full][3:], rtol=1e-5)
+    # exported to fp32 (tools/convert_checkpoint.py to-fp32): the two layouts' final masters agree
+    conv = tool()
+    a, b = conv.to_fp32(str(tmp_path / "same"), str(tmp_path / "a.pt")), conv.to_fp32(str(tmp_path / "other"),
+                                                                                       str(tmp_path / "b.pt"))
+    assert sorted(a) == sorted(b) and any(t.dim() == 2 for t in a.values())
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_optimizer_mismatch_is_one_line(tmp_path, data, capfd):
