@@ -79,3 +79,16 @@ def reference(kind: str, data, clip: float = CLIP):
         opt.step()
         opt.zero_grad()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_losses(engine, data, rank: int) -> list[float]:
+    """Train a DeepSpeed-style ``engine`` (megazero's or DeepSpeed's) on rank ``rank``'s
+    micro-batches of every step of ``data`` (:func:`batches`); the per-micro-batch losses."""
+    out = []
+    for step in data:
+        for ids, labels in step[rank]:
+            loss = engine(input_ids=ids, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+    return out

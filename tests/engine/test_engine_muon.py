@@ -10,7 +10,7 @@ import torch
 
 from megazero.optim.muon import MuonSettings, muon_step
 from megazero.testing import run_distributed
-from tests.engine.hf_tiny import MICRO, batches, build, groups
+from tests.engine.hf_tiny import MICRO, batches, build, engine_losses, groups
 
 GAS, STEPS = 2, 3
 PARAMS = {"lr": 2e-3, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-6}
@@ -27,14 +27,7 @@ def _worker(rank, world, stage, data):
     model = build("gpt2")
     engine, opt = megazero.initialize(model=model, model_parameters=groups(model), config=config(stage))[:2]
     assert any(g["use_muon"] for g in opt.param_groups)
-    out = []
-    for step in data:
-        for ids, labels in step[rank]:
-            loss = engine(input_ids=ids, labels=labels).loss
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-    return out
+    return engine_losses(engine, data, rank)
 
 
 def _reference(data):

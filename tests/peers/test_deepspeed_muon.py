@@ -78,14 +78,8 @@ def _worker(rank, world, system, data):
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
         engine = deepspeed.initialize(model=model, model_parameters=groups(model), config=config(0))[0]
-    out = []
-    for step in data:
-        for ids, labels in step[rank]:
-            loss = engine(input_ids=ids, labels=labels).loss
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-    return out
+    from tests.engine.hf_tiny import engine_losses
+    return engine_losses(engine, data, rank)
 
 
 def test_engine_losses_equal_deepspeeds_muon(deepspeed_ranks):
