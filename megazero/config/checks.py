@@ -245,9 +245,11 @@ def _validate_features(err, args) -> None:
         err(f"--ckpt-format {args.ckpt_format} is not available: megazero writes its own format, which "
             "reshards on load like torch_dist, or torch_dcp (a PyTorch DCP folder); use --ckpt-format "
             "torch_dist (or torch, torch_dcp), and tools/convert_checkpoint.py to import or export")
-    if args.ckpt_format == "torch_dcp" and (args.async_save or args.num_experts):
-        err(f"--ckpt-format torch_dcp with {'--async-save' if args.async_save else '--num-experts'} is not "
-            "available: use --ckpt-format torch_dist")
+    dcp_without = [f for f, on in (("--async-save", args.async_save), ("--num-experts", args.num_experts),
+                                   ("--multi-latent-attention", args.multi_latent_attention),
+                                   ("--mtp-num-layers", args.mtp_num_layers)) if on]
+    if args.ckpt_format == "torch_dcp" and dcp_without:  # DCP's keys are transformers' names: none for these here
+        err(f"--ckpt-format torch_dcp with {dcp_without[0]} is not available: use --ckpt-format torch_dist")
     per_split = [f"--{k}-data-path" for k in ("train", "valid", "test") if getattr(args, f"{k}_data_path")]
     if per_split and (args.data_path or args.mock_data):
         err(f"{', '.join(per_split)} with {'--data-path' if args.data_path else '--mock-data'}: give a single "

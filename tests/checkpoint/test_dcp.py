@@ -17,6 +17,7 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.model import GPTConfig
 from tests.checkpoint.test_convert_checkpoint import LLAMA, tool
 from tests.checkpoint.test_reshard import BASE, layout_flags, run, train_reference
+from tests.model.test_mla_checkpoint import MLA_FLAGS
 
 
 
@@ -36,10 +37,12 @@ def expected_state(tmp_path, src) -> dict:
 
 
 # (TP, PP, ZeRO) saved at DP 2, loaded back, loaded after PyTorch's round trip
-LAYOUTS = {"gpt2": ((2, 1, 1), (1, 2, 0), (2, 1, 1)), "llama": ((1, 2, 3), (2, 1, 1), (1, 1, 0))}
+LAYOUTS = {"gpt2": ((2, 1, 1), (1, 2, 0), (2, 1, 1)), "llama": ((1, 2, 3), (2, 1, 1), (1, 1, 0)),
+           "qwen3": ((2, 1, 2), (1, 2, 1), (1, 1, 0))}
+QWEN3 = LLAMA + ["--qk-layernorm", "--window-size", "5,0"]  # Qwen3ForCausalLM's names (q_norm, k_norm)
 
 
-@pytest.mark.parametrize("style,extra", [("gpt2", []), ("llama", LLAMA)])
+@pytest.mark.parametrize("style,extra", [("gpt2", []), ("llama", LLAMA), ("qwen3", QWEN3)])
 def test_dcp_out_and_in(tmp_path, style, extra):
     """GPT-2 saved at TP 2 x DP 2 ZeRO 1, Llama (GQA, SwiGLU, untied) at PP 2 x DP 2 ZeRO 3."""
     flags = BASE + extra
@@ -60,7 +63,8 @@ def test_dcp_out_and_in(tmp_path, style, extra):
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
-    assert ("model.layers.0.self_attn.k_proj.weight" in got) == (style == "llama")
+    assert ("model.layers.0.self_attn.k_proj.weight" in got) == (style != "gpt2")
+    assert ("model.layers.0.self_attn.q_norm.weight" in got) == (style == "qwen3")
 
     # back in at another layout: iterations 4-6 as the uninterrupted run
     hist = run(back[0] * back[1], flags + layout_flags(back[0], back[1], None, back[2]) + ["--load", str(dcp_root)])
@@ -108,6 +112,9 @@ def test_dcp_flag_checks(capsys):
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--ckpt-format", "torch_dcp", "--async-save", "--save", "x"], world_size=1)
     assert "--ckpt-format torch_dcp with --async-save is not available" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no transformers naming for a dense MLA model here
+        parse_args(BASE + ["--ckpt-format", "torch_dcp"] + MLA_FLAGS, world_size=1)
+    assert "--ckpt-format torch_dcp with --multi-latent-attention is not available" in capsys.readouterr().err
 
 
 def test_dcp_bf16_virtual_stages(tmp_path):
