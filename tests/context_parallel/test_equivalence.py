@@ -69,7 +69,8 @@ def _worker(rank, world, sizes, stages, data, overrides, opt_kw):
         runner = PipelineRunner(topo, M, stages_.activation_shape, stages_.activation_dtype)
         losses = []
         for step in data:
-            got = runner.run(stages_.chunks, step[topo.dp_rank], stages_.forward_step, grad_scale=opt.loss_scale)
+            got = runner.run(stages_.chunks, step[topo.dp_rank], stages_.forward_step, grad_scale=opt.loss_scale,
+                             weight_grad_stores=stages_.weight_grad_stores)  # zero-bubble plans defer W
             assert opt.step()[0]
             if topo.is_last_stage:
                 mean = torch.stack(got).mean().reshape(1)

@@ -30,6 +30,13 @@ def test_mla_cp2(comm, v_head_dim):
     check_layout(2, dict(cp=2), stages=(0,), cp_comm_type=comm, **{**MLA, "v_head_dim": v_head_dim})
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_mla_zero_bubble_pp2(schedule):
+    """Split backward (MLA's up and dense projections deferred to W) under zero-bubble plans."""
+    check_layout(4, dict(pp=2, vp=1 if schedule == "zb-h1" else 2, pipeline_schedule=schedule), stages=(1, 3),
+                 untie_embeddings_and_output_weights=True, **MLA)
+
+
 def test_mla_cp2_tp2_sp_zero3():
     check_layout(4, dict(cp=2, tp=2), stages=(3,), sequence_parallel=True, **MLA)
 

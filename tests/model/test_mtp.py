@@ -84,7 +84,9 @@ def _layouts(rank, world, sizes, stages, data, overrides):
                             untie_embeddings_and_output_weights=True, position_embedding_type="rope")),
     (dict(tp=2, ep=2), dict(DSV3_MLA, sequence_parallel=True)),
     (dict(pp=2, vp=2), DENSE),
-], ids=["pp2", "tp2-sp", "moe-pp2-ep2", "dsv3-mla-tp2-sp-ep2", "pp2-vp2"])
+    (dict(pp=2, pipeline_schedule="zb-h1"), DENSE),
+    (dict(pp=2, vp=2, pipeline_schedule="interleaved-zb"), DENSE),
+], ids=["pp2", "tp2-sp", "moe-pp2-ep2", "dsv3-mla-tp2-sp-ep2", "pp2-vp2", "pp2-zb-h1", "pp2-vp2-interleaved-zb"])
 def test_layout_equals_one_process(sizes, overrides):
     dp = 4 // (sizes.get("tp", 1) * sizes.get("pp", 1))
     data = gpt_batches(3, dp, 2)

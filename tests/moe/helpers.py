@@ -74,7 +74,8 @@ def train(topo, data, args, mtp_log=None, **overrides):
     losses = []
     for step in data:
         stages.moe.set_aux_scale(opt.loss_scale / args.num_micro_batches)
-        out = runner.run(stages.chunks, step[topo.dp_rank], stages.forward_step, grad_scale=opt.loss_scale)
+        out = runner.run(stages.chunks, step[topo.dp_rank], stages.forward_step, grad_scale=opt.loss_scale,
+                         weight_grad_stores=stages.weight_grad_stores)  # used by zero-bubble plans only
         config = stages.chunks[0].config
         if config.moe is not None:
             stages.moe.update_expert_bias(config.moe.bias_update_rate)
