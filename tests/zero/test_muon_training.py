@@ -35,6 +35,7 @@ def losses(world, argv):
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1"]),
     "pp2_vp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "pp2_zb_h1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]),  # W deferred
     "dp2_zero1": (2, ["--zero-stage", "1"]),
     "dp2_zero2": (2, ["--zero-stage", "2"]),
     "dp2_zero3": (2, ["--zero-stage", "3"]),
