@@ -162,3 +162,16 @@ def test_refuses_fields_megazero_does_not_implement(key, value):
     with pytest.raises(ValueError) as e:
         config_from_hf(cfg)
     assert f"{key}=" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change,key", [(dict(attention_factor=1.2), "attention_factor"),
+                                        (dict(mscale=0.8, mscale_all_dim=0), "mscale")])
+def test_refuses_yarn_settings_transformers_reads_otherwise(change, key):
+    """An explicit ``attention_factor``, or an ``mscale`` that transformers' YaRN ignores (no
+    ``mscale_all_dim``) while Megatron's rule uses it: refused, naming the key and value."""
+    cfg = transformers.DeepseekV3Config(**CFG).to_dict()
+    assert cfg["rope_parameters"]["factor"] > 1
+    cfg["rope_parameters"] = dict(cfg["rope_parameters"], **change)
+    with pytest.raises(ValueError, match=rf"rope_parameters\.{key}=") as e:
+        config_from_hf(cfg)
+    assert "\n" not in str(e.value)

@@ -94,6 +94,15 @@ def _rope_fields(c: dict) -> dict:
         return {"rotary_base": theta, "rope_type": "rope"}
     if kind != "yarn":
         raise _refuse("rope_parameters", rope, "only default RoPE and YaRN (DeepSeek's) convert")
+    if rope.get("attention_factor") is not None:
+        raise _refuse("rope_parameters.attention_factor", rope["attention_factor"], "megazero derives YaRN's "
+                      "concentration factor from factor, mscale and mscale_all_dim (Megatron's rule)")
+    m, m_all, factor = rope.get("mscale"), rope.get("mscale_all_dim"), rope.get("factor") or 1.0
+    if factor > 1 and not (m and m_all) and (m if m is not None else 1.0) != 1.0:
+        # transformers (modeling_rope_utils._compute_yarn_parameters) then uses mscale 1 in the cos/sin
+        # concentration; Megatron's (and megazero's) ratio uses the given mscale: another model
+        raise _refuse("rope_parameters.mscale", m, f"with mscale_all_dim {m_all} transformers' YaRN ignores it and "
+                      "megazero's (Megatron's) does not; give both mscale and mscale_all_dim, or mscale 1")
     out = {"rotary_base": theta, "rope_type": "yarn"}
     out.update({ours: rope[hf] for hf, ours in _YARN.items() if rope.get(hf) is not None})
     return out
