@@ -239,25 +239,16 @@ def _scheduler_state(ckpt: DeepSpeedCheckpoint, scheduler) -> dict:
 
 
 def scaler_state(record, scaler) -> dict:
-    """The engine scaler's state from DeepSpeed's pickled one (``cur_scale``; a
-    ``DynamicLossScaler``'s growth and hysteresis counters into a dynamic engine scaler's).
-
-    DeepSpeed grows the scale at the first clean update whose ``stable_interval = cur_iter -
-    last_overflow_iter - 1`` is a positive multiple of the window ``W``: ``k`` clean steps from now,
-    with ``s0 = cur_iter - last_overflow_iter - 1``, ``k = W - (s0 mod W) + 1`` (``k = 1`` when
-    ``s0`` is a positive multiple; ``W + 1`` right after an overflow, where the engine, growing
-    after ``W``, cannot wait one more: it grows one step sooner). The engine grows after ``W -
-    growth_tracker`` clean steps, so ``growth_tracker = W - k`` (clamped to ``[0, W - 1]``);
-    ``hysteresis_tracker = cur_hysteresis``. Inverse of
+    """The engine scaler's state from DeepSpeed's pickled one: ``cur_scale``, and a
+    ``DynamicLossScaler``'s ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis`` copied into
+    a dynamic engine scaler's (both follow DeepSpeed's rule,
+    :class:`megazero.zero.loss_scaler.DeepSpeedLossScaler`). Inverse of
     :func:`megazero.checkpoint.deepspeed_writer.loss_scaler_record`."""
     mine = scaler.state_dict()
     out = {**mine, "scale": float(record.cur_scale)}
-    if "growth_tracker" in mine and getattr(record, "dynamic", False):
-        window = int(getattr(record, "scale_window", scaler.window))
-        s0 = int(record.cur_iter) - int(record.last_overflow_iter) - 1
-        k = 1 if s0 > 0 and s0 % window == 0 else window - s0 % window + 1
-        out["growth_tracker"] = min(max(window - k, 0), window - 1)
-        out["hysteresis_tracker"] = int(getattr(record, "cur_hysteresis", mine["hysteresis_tracker"]))
+    if "cur_iter" in mine and getattr(record, "dynamic", False):
+        for key in ("cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            out[key] = int(getattr(record, key, mine[key]))
     return out
 
 

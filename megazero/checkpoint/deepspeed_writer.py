@@ -70,25 +70,23 @@ def _write(obj, path: str, tmp: str):
 def loss_scaler_record(scaler, steps: int):
     """DeepSpeed's pickled scaler for the engine's (deepspeed/runtime/fp16/loss_scaler.py 0.19.8).
 
-    A constant scale: ``LossScaler`` (``cur_scale``, ``dynamic`` False). The dynamic one:
-    ``DynamicLossScaler`` with the engine's scale, window, minimum and hysteresis
-    (``delayed_shift``). The engine grows the scale ``window - growth_tracker`` clean steps on;
-    DeepSpeed grows it at an update whose ``stable_interval = cur_iter - last_overflow_iter - 1``
-    is a positive multiple of the window, which with ``cur_iter`` = the engine's steps and
-    ``last_overflow_iter = cur_iter - growth_tracker - 2`` falls on that same step.
-    ``cur_hysteresis`` is the engine's tracker (at least 1: DeepSpeed backs off at 1, the engine
-    at <= 1). :func:`megazero.checkpoint.deepspeed_files.scaler_state` maps it back."""
+    A constant scale: ``LossScaler`` (``cur_scale``, ``dynamic`` False). The dynamic one (the
+    engine follows DeepSpeed's rule, :class:`megazero.zero.loss_scaler.DeepSpeedLossScaler`):
+    ``DynamicLossScaler`` with the engine's own ``cur_scale``, ``cur_iter``,
+    ``last_overflow_iter``, ``cur_hysteresis``, window, minimum and hysteresis
+    (``delayed_shift``), copied. ``steps`` is unused (kept for the callers).
+    :func:`megazero.checkpoint.deepspeed_files.scaler_state` copies them back."""
     sd = scaler.state_dict()
-    if "growth_tracker" not in sd:
+    if "cur_iter" not in sd:
         s = ds.LossScalerRecord()
         s.cur_scale, s.dynamic = float(sd["scale"]), False
         return s
     s = ds.DynamicLossScalerRecord()
-    s.cur_scale, s.dynamic, s.cur_iter = float(sd["scale"]), True, int(steps)
-    s.last_overflow_iter = int(steps) - int(sd["growth_tracker"]) - 2
+    s.cur_scale, s.dynamic, s.cur_iter = float(sd["scale"]), True, int(sd["cur_iter"])
+    s.last_overflow_iter, s.cur_hysteresis = int(sd["last_overflow_iter"]), int(sd["cur_hysteresis"])
     s.scale_factor, s.scale_window, s.min_scale = float(scaler.growth), int(scaler.window), float(scaler.min_scale)
-    s.delayed_shift, s.cur_hysteresis = int(scaler.hysteresis), max(int(sd["hysteresis_tracker"]), 1)
-    s.consecutive_hysteresis, s.raise_error_at_min_scale, s.dtype = False, True, torch.float16
+    s.delayed_shift, s.consecutive_hysteresis = int(scaler.hysteresis), bool(scaler.consecutive_hysteresis)
+    s.raise_error_at_min_scale, s.dtype = bool(scaler.raise_at_min), torch.float16
     return s
 
 

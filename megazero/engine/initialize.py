@@ -146,7 +146,7 @@ def _zero(module, topo, cfg, units, materialize) -> ZeroOptimizer:
         reduce_bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
         prefetch_bucket_size=cfg.prefetch_bucket_size, param_persistence_threshold=cfg.param_persistence_threshold,
         max_live_parameters=cfg.max_live_parameters, max_reuse_distance=cfg.max_reuse_distance, units=units,
-        param_init=materialize[0], device=materialize[1])
+        param_init=materialize[0], device=materialize[1], scaler_rule="deepspeed")
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,

@@ -73,7 +73,8 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
     (``build_peak_unit_bytes``). ``overlap_param_gather``: the stage 1/2 parameter all-gather
     of a step stays in flight until the next forward needs each bucket
     (:class:`~.param_sync.ParamSync`). ``host_reads``: the :class:`HostReads` counter every
-    device-to-host read of :meth:`step` goes through (shared with the training loop)."""
+    device-to-host read of :meth:`step` goes through (shared with the training loop).
+    ``scaler_rule``: the fp16 dynamic scale's rule, ``"megatron"`` or ``"deepspeed"`` (the engine's)."""
 
     def __init__(self, model_chunks, topo, *, stage: int = 0, num_micro_batches: int = 1, lr: float = 1e-4,
                  weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
@@ -86,7 +87,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
                  max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
                  shared_params=(), tp_duplicated_params=(), units=None, primitives: dict | None = None,
                  param_init=None, device=None, overlap_param_gather: bool = False, host_reads=None,
-                 expert_params=()):
+                 expert_params=(), scaler_rule: str = "megatron"):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -100,7 +101,7 @@ class ZeroOptimizer(GradientSync, ShardState, StateAccounting):
             self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.grad_dtype = grad_dtype(self.params_dtype, accumulate_in_fp32)
         self.scaler = make_loss_scaler(self.params_dtype, loss_scale, dynamic_loss_scale, initial_loss_scale,
-                                       min_loss_scale, loss_scale_window, hysteresis)
+                                       min_loss_scale, loss_scale_window, hysteresis, scaler_rule, stage)
 
         groups, shared_of = process_groups(topo, shared_params)
         self.shared_names = list(dict.fromkeys(shared_of.values()))

@@ -208,19 +208,20 @@ def test_fp16_dynamic_loss_scale_is_written_as_deepspeeds_scaler(stage, tmp_path
     with the same losses, scales and skipped steps."""
     from megazero.checkpoint.deepspeed_files import scaler_state
     from megazero.checkpoint.deepspeed_writer import loss_scaler_record
-    from megazero.zero.loss_scaler import DynamicLossScaler
+    from megazero.zero.loss_scaler import DeepSpeedLossScaler
     for scaler, record, loaded, want, got in run_distributed(_fp16_run, 2, _data(2, 9), str(tmp_path), stage,
                                                               timeout_s=120):
         assert record["dynamic"] and record["cur_scale"] == scaler["scale"] and record["scale_window"] == 3
-        assert record["delayed_shift"] == 2 and record["cur_hysteresis"] == max(scaler["hysteresis_tracker"], 1)
-        # a tracker below 1 backs off at the next overflow as 1 does (DeepSpeed keeps it at 1)
-        assert loaded == {**scaler, "hysteresis_tracker": max(scaler["hysteresis_tracker"], 1)}, (loaded, scaler)
+        assert record["delayed_shift"] == 2 and not record["consecutive_hysteresis"]
+        assert {k: record[k] for k in ("cur_iter", "last_overflow_iter", "cur_hysteresis")} == \
+            {k: scaler[k] for k in ("cur_iter", "last_overflow_iter", "cur_hysteresis")}
+        assert loaded == scaler, (loaded, scaler)
         assert got == want, (got, want)
         assert want[1] > 0 and len({s for _, s in want[0]}) > 1  # the scale moved after the save
-    for tracker in range(4):  # every growth counter survives the round trip
-        s = DynamicLossScaler(2.0 ** 10, window=4, hysteresis=3)
-        s.growth_tracker, s.hysteresis_tracker = tracker, 2
-        assert scaler_state(loss_scaler_record(s, 11), DynamicLossScaler(window=4)) == s.state_dict()
+    for last in range(-1, 4):  # DeepSpeed's counters survive the round trip as they are
+        s = DeepSpeedLossScaler(2.0 ** 10, window=4, hysteresis=3)
+        s.cur_iter, s.last_overflow_iter, s.cur_hysteresis = 5, last, 2
+        assert scaler_state(loss_scaler_record(s, 11), DeepSpeedLossScaler(window=4)) == s.state_dict()
 
 
 def _frozen_run(rank, world, data, folder, stage, save):
