@@ -231,7 +231,7 @@ def test_deepspeed_continues_megazero_fp16_and_frozen(kind, stage, power, tmp_pa
     for (got, skipped, bias), (want, want_skipped, _) in zip(theirs, ours):
         assert got[1] == want[1] and skipped == want_skipped, (got, want, skipped, want_skipped)
         worst = max(abs(a - b) / abs(b) for a, b in zip(got[0], want[0]))
-        assert worst <= TOL, (case, worst, got, want)
+        assert worst <= TOL, (kind, worst, got, want)
         if frozen:
             assert torch.equal(bias, _frozen_odd()[0].bias.detach()), bias
     if frozen:
