@@ -219,9 +219,9 @@ def test_deepspeed_continues_megazero_fp16_and_frozen(kind, stage, power, tmp_pa
     that spent the hysteresis (2 ** 18, 2 ** 19: the next overflow backs off at once) or between
     growths (2 ** 12: a growth due one step after the save): DeepSpeed takes the engine's scaler
     (its DynamicLossScaler) and continues with its losses, scales and skipped-step count. (Scales
-    where the two engines already differ without a checkpoint -- the first overflow at 2 ** 16,
-    the growth rule's step after an overflow -- are left out: tests/peers/test_engine_vs_deepspeed.py's
-    matter.) A frozen bias: DeepSpeed restores it from the files (``frozen_param_fragments``) and
+    where the two engines already differ without a checkpoint -- whether a step overflows near
+    2 ** 16 -- are left out; the growth rule is the same: tests/peers/test_deepspeed_loss_scaler.py.)
+    A frozen bias: DeepSpeed restores it from the files (``frozen_param_fragments``) and
     ``zero_to_fp32`` recovers it."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     frozen = kind == "frozen"
