@@ -135,6 +135,17 @@ def _step_logits(model, step_input: torch.Tensor, step_valid: torch.Tensor, cach
     return logits
 
 
+def _fitting_new_tokens(config, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """``max_new_tokens`` cut so the longest prompt plus its continuation fits
+    ``max_position_embeddings``; a prompt already longer is refused."""
+    longest = max(len(p) for p in prompts)
+    room = config.max_position_embeddings - longest
+    if room < 0:
+        raise ValueError(f"a prompt of {longest} tokens exceeds max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    return max(0, min(max_new_tokens, room))
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | None = None, greedy: bool = True,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              use_cache: bool = True, group=None, stop_rows=None) -> GenerationResult:
@@ -153,12 +164,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eod: int | No
     device = model.device
     b = len(prompts)
     tokens, valid = left_pad(prompts, eod if eod is not None else 0, device)
-    longest = max(len(p) for p in prompts)
-    room = model.config.max_position_embeddings - longest
-    if room < 0:
-        raise ValueError(f"a prompt of {longest} tokens exceeds max_position_embeddings "
-                         f"{model.config.max_position_embeddings}")
-    max_new_tokens = max(0, min(max_new_tokens, room))
+    max_new_tokens = _fitting_new_tokens(model.config, prompts, max_new_tokens)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = torch.full((b, max_new_tokens), eod if eod is not None else 0, dtype=torch.long)
     done = torch.zeros(b, dtype=torch.bool)

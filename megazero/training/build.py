@@ -135,6 +135,21 @@ def print_parameter_count(topo: Topology, stages: ModelStages) -> None:
               f"{topo.pp_rank}): {n}", flush=True)
 
 
+def attach_optimizer(config, topo, stages, optimizer) -> None:
+    """What the model hands the optimizer beyond its parameters: the vocabulary layers' fused
+    weight gradients (``--gradient-accumulation-fusion``), the ``--decoupled-lr`` parameters, and
+    with ``--optimizer muon`` the 2-D hidden matrices Muon steps (training/muon_setup.py)."""
+    if config.gradient_accumulation_fusion and optimizer.fuses_weight_grads and stages.fuse_vocab_grads:
+        stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)
+    if config.schedule.lr.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR
+        optimizer.set_decoupled_params(stages.decoupled_lr_params)
+    if config.optimizer.muon is not None:
+        from megazero.optim.muon import MuonSettings
+        from megazero.training.muon_setup import muon_matrices
+        settings = MuonSettings(**config.optimizer.muon)
+        optimizer.set_muon(settings, muon_matrices(stages, topo, settings.split_qkv))
+
+
 def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshold: bool | None = None):
     """Build everything one rank trains with, in the order of the module docstring; returns the
     :class:`~megazero.training.loop.Trainer`, with ``--load`` already loaded. ``run``: a
@@ -171,15 +186,7 @@ def setup(run, model_provider=None, forward_step_func=None, *, fix_mmap_threshol
                               expert_params=stages.expert_params, param_init=stages.param_init, device=device)
     if raise_to_unit and optimizer.gatherer is not None:  # from now on only unit-sized blocks are mapped
         return_freed_memory(unit_threshold(optimizer.gatherer.unit_bytes()))
-    if config.gradient_accumulation_fusion and optimizer.fuses_weight_grads and stages.fuse_vocab_grads:
-        stages.fuse_vocab_grads(optimizer.add_weight_grad, optimizer.add_embedding_grad)
-    if config.schedule.lr.decoupled_lr is not None:  # Megatron: the embedding and output layer on their own LR
-        optimizer.set_decoupled_params(stages.decoupled_lr_params)
-    if config.optimizer.muon is not None:  # --optimizer muon: the 2-D hidden matrices (training/muon_setup.py)
-        from megazero.optim.muon import MuonSettings
-        from megazero.training.muon_setup import muon_matrices
-        settings = MuonSettings(**config.optimizer.muon)
-        optimizer.set_muon(settings, muon_matrices(stages, topo, settings.split_qkv))
+    attach_optimizer(config, topo, stages, optimizer)
     runner = PipelineRunner(topo, config.schedule.num_micro_batches, stages.activation_shape,        # 8
                             stages.activation_dtype)
     tb = TensorBoardLogger(log.tensorboard_dir, enabled=launch.rank == par.world_size - 1,          # 9
