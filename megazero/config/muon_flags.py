@@ -6,8 +6,9 @@
 Muon steps the 2-D hidden matrices; AdamW (``--adam-*``, ``--weight-decay``, the same LR schedule)
 steps the embeddings, the output layer and every parameter that is not 2-D (Megatron's
 ``_is_nonlinear_or_embedding``). What is refused, one line each before any process group:
-``--optimizer sgd/lion/soap/adaptive_muon``, ``--muon-tp-mode blockwise`` (orthogonalizes each TP
-shard on its own: the update depends on TP), ``--muon-scalar-optimizer lion``,
+``--optimizer sgd/lion/soap/adaptive_muon``, ``--muon-tp-mode blockwise`` (Megatron's default) at TP > 1
+(it orthogonalizes each TP shard on its own: the update depends on TP; at TP 1 it is the whole
+matrix, so it is honoured there), ``--muon-scalar-optimizer lion``,
 ``--muon-use-syrk`` (a Triton kernel), ``--muon-coefficient-type custom/cubic5`` and unknown types,
 ``--muon-num-ns-steps`` < 1, ``--muon-fp32-matmul-prec low`` (torch has no such precision: Megatron
 fails on it too), fp16 (Megatron's Muon runs bf16 or fp32 only) and ``--optimizer-cpu-offload``
@@ -39,8 +40,9 @@ def add_muon_flags(p: argparse.ArgumentParser) -> None:
                    help="medium: Newton-Schulz in bf16; high: in fp32")
     g.add_argument("--muon-coefficient-type", default="quintic")
     g.add_argument("--muon-num-ns-steps", type=int, default=5)
-    g.add_argument("--muon-tp-mode", default="duplicated", choices=["blockwise", "duplicated", "distributed"],
-                   help="duplicated/distributed: the whole matrix is orthogonalized (exact); blockwise refused")
+    g.add_argument("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"],
+                   help="duplicated/distributed: the whole matrix is orthogonalized (exact); blockwise "
+                        "(Megatron's default): each TP shard alone, refused at TP > 1")
     g.add_argument("--muon-use-syrk", action="store_true")
     g.add_argument("--muon-extra-scale-factor", type=float, default=1.0)
     g.add_argument("--muon-scalar-optimizer", default="adam", choices=["adam", "lion"])
@@ -65,9 +67,11 @@ def check_muon(fail, args) -> None:
     if args.muon_coefficient_type not in COEFFICIENT_TYPES:
         fail(f"--muon-coefficient-type {args.muon_coefficient_type!r} is not available; one of "
              f"{', '.join(COEFFICIENT_TYPES)}")
-    if args.muon_tp_mode == "blockwise":
-        fail("--muon-tp-mode blockwise orthogonalizes each TP shard alone (the update depends on TP); "
-             "use duplicated (the default) or distributed")
+    tp = max(args.tensor_model_parallel_size or 1, getattr(args, "expert_tensor_parallel_size", None) or 1)
+    if args.muon_tp_mode == "blockwise" and tp > 1:  # at TP 1 every shard is the whole matrix: the same math
+        fail(f"--muon-tp-mode blockwise (Megatron's default) at tensor-parallel size {tp} orthogonalizes each TP "
+             "shard alone, so the update depends on TP; megazero orthogonalizes whole matrices: pass "
+             "--muon-tp-mode duplicated (or distributed)")
     if args.muon_fp32_matmul_prec == "low":
         fail("--muon-fp32-matmul-prec low is not a torch matmul precision; use medium (bf16) or high (fp32)")
     if args.muon_use_syrk:

@@ -59,7 +59,7 @@ def test_resume_and_reshard_are_exact(tmp_path, data):
 
 def test_optimizer_mismatch_is_one_line(tmp_path, data, capfd):
     i = COMMON.index("--optimizer")
-    adam = COMMON[:i] + COMMON[i + 7:] + data + A  # without the 7 Muon items of test_muon_training.TINY
+    adam = COMMON[:i] + COMMON[i + 9:] + data + A  # without the 9 Muon items of test_muon_training.TINY
     run(adam + ["--save", str(tmp_path / "adam"), "--exit-interval", "2"])
     with pytest.raises(Exception) as failed:
         run(COMMON + data + A + ["--load", str(tmp_path / "adam")])

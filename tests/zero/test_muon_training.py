@@ -14,7 +14,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0", "--distributed-backend", "gloo",
         "--seed", "7", "--mock-data", "--vocab-size", "100", "--train-iters", "4", "--adam-eps", "1e-6",
-        "--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-momentum", "0.9"]
+        "--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-momentum", "0.9",
+        "--muon-tp-mode", "duplicated"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--disable-bias-linear"]
 
 
@@ -67,7 +68,7 @@ def test_muon_bad_settings_are_one_line():
     import contextlib
     import io
     for flags, needle in [(["--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
-                          (["--muon-tp-mode", "blockwise"], "--muon-tp-mode blockwise"),
+                          (["--muon-tp-mode", "blockwise", "--tensor-model-parallel-size", "2"], "--muon-tp-mode blockwise"),
                           (["--muon-coefficient-type", "custom"], "--muon-coefficient-type"),
                           (["--fp16"], "--fp16"), (["--optimizer", "lion"], "--optimizer lion"),
                           (["--muon-fp32-matmul-prec", "low"], "low")]:
