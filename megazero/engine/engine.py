@@ -4,6 +4,8 @@ Semantics are DeepSpeed 0.19.8's ``DeepSpeedEngine`` (deepspeed/runtime/engine.p
 
 * ``engine(*args, **kw)`` calls the module (at stage 3 its units are gathered by forward hooks).
 * ``engine.backward(loss)``: ``(loss / gradient_accumulation_steps * loss_scale).backward()``;
+  a submodule with ``set_aux_loss_scale(scale)`` (megazero's GPTModel: MoE aux and MTP losses,
+  added in backward) is first told ``loss_scale / gradient_accumulation_steps``, the same scale;
   the gradient hooks add each gradient into its flat region and reduce a region over DP once
   its round is complete (every micro-batch at stages 2/3, at the boundary at 0/1). Returns the
   unscaled loss, as DeepSpeed does.
@@ -36,6 +38,9 @@ class ZeroEngine(nn.Module):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_samples = 0
         self._signature = parameter_signature(module)
+        # modules whose auxiliary losses enter only in backward, with a gradient they are told
+        # (``set_aux_loss_scale(scale)``: megazero's GPTModel for MoE aux and MTP losses)
+        self._aux_scaled = [m for m in module.modules() if callable(getattr(m, "set_aux_loss_scale", None))]
 
     # ---- DeepSpeed's accessors ---------------------------------------------------------------
     def gradient_accumulation_steps(self) -> int:
@@ -83,6 +88,8 @@ class ZeroEngine(nn.Module):
             raise ValueError("engine.backward(loss): the loss does not require grad (was the forward run "
                              "under torch.no_grad() or engine.eval()?)")
         gas = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
+        for module in self._aux_scaled:  # losses added in backward (megazero's MoE aux, MTP) take the same scale
+            module.set_aux_loss_scale(self.zero.loss_scale / gas)
         scaled = loss.float() * (self.zero.loss_scale / gas)
         scaled.backward(retain_graph=retain_graph)
         return loss

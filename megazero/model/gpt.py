@@ -133,6 +133,14 @@ class GPTModel(nn.Module):
             copy = None if pre_process else Embedding(config, self.padded_vocab, self.tp_group, self.rng, where)
             self.mtp = MultiTokenPrediction(config, self.tp_group, self.rng, where, topo, moe_state, self.device, copy)
 
+    def set_aux_loss_scale(self, scale) -> None:
+        """The gradient the MoE aux losses and the MTP loss get in backward: ``loss_scale / M`` for a
+        backward of ``loss * loss_scale / M`` (M micro-batches averaged, as the training loop's
+        schedule and ``engine.backward`` seed the LM loss), so that the aux terms keep their
+        coefficient against the LM loss; a no-op for a dense model without MTP."""
+        if self.moe_state is not None:
+            self.moe_state.set_aux_scale(scale)
+
     # ---- forward -------------------------------------------------------------------------
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The tied word-embedding weight this slice must keep in sync with its twin, or None."""
