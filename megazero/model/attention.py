@@ -51,7 +51,10 @@ def rope_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype):
 
 
 def apply_rope(x, cos, sin):
-    """``x * cos + rotate_half(x) * sin`` on ``[b, heads, s, d]``; rotate_half(a, b) = (-b, a)."""
+    """``x * cos + rotate_half(x) * sin`` on ``[b, heads, s, d]``; rotate_half(a, b) = (-b, a). The
+    tables take ``x``'s dtype (as megatron-core's ``_apply_rotary_pos_emb_bshd``): a module cast
+    after it was built (``megazero.initialize`` with fp16) keeps q, k and v in one dtype."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

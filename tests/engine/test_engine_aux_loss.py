@@ -47,7 +47,7 @@ def _reference():
 
 def _engine(rank, world, stage, fp16):
     import megazero
-    model = _model(torch.float16 if fp16 else torch.float32)  # the GPT's own fp16 (RoPE follows params_dtype)
+    model = _model()  # fp32, cast to fp16 by the engine (RoPE's tables follow q and k)
     precision = {"fp16": {"enabled": True, "loss_scale": 1024}} if fp16 else {}
     engine, *_ = megazero.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0),
