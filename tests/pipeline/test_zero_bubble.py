@@ -24,7 +24,7 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 GPT2 = dict(position_embedding_type="learned_absolute", swiglu=False, normalization="LayerNorm",
             add_bias_linear=True, num_query_groups=4)
 BF16 = dict(params_dtype=torch.bfloat16)
-
+TIED = dict(untie_embeddings_and_output_weights=False)  # Megatron's default GPT
 
 def _config(overrides):
     from megazero.model.config import GPTConfig
@@ -32,19 +32,16 @@ def _config(overrides):
     values.update(overrides)
     return GPTConfig.from_megatron(values, vocab_size=VOCAB)
 
-
 def _lr(overrides):
     """bf16 runs step at 1e-3, as tests/zero/test_wgrad_fusion.py (Adam's sign-like first steps
     would turn bf16 rounding of tiny gradients into lr-sized weight differences)."""
     return 1e-3 if overrides.get("params_dtype") == torch.bfloat16 else 1e-2
-
 
 def _batches(dp, m):
     g = torch.Generator().manual_seed(7)
     rand = lambda: torch.randint(0, VOCAB, (MB, SEQ), generator=g)  # noqa: E731
     return [[[{"tokens": rand(), "labels": rand(), "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.3).float()}
               for _ in range(m)] for _ in range(dp)] for _ in range(STEPS)]
-
 
 def _reference(data, overrides):
     """One process: per-iteration mean loss and gradient norm, final weights (AdamW, clip 1)."""
@@ -71,11 +68,9 @@ def _reference(data, overrides):
         losses.append(total)
     return losses, norms, model.full_state_dict()
 
-
 def _runner(topo, stages, m):
     from megazero.pipeline import PipelineRunner
     return PipelineRunner(topo, m, stages.activation_shape, stages.activation_dtype)
-
 
 def _hook_phases(stages):
     """Count, per deferring weight, the post-accumulate-grad hook calls (ZeRO's hook point) made
@@ -89,7 +84,6 @@ def _hook_phases(stages):
                     fires["total"] += 1
                 module.weight.register_post_accumulate_grad_hook(hook)
     return fires
-
 
 def _train(rank, world, cases):
     import torch.distributed as dist
@@ -131,7 +125,6 @@ def _train(rank, world, cases):
         out.append((losses if topo.is_last_stage else None, norms, full, stats["deferred_weight_grads"]))
     return out
 
-
 def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
     results = launch(_train, world, cases, timeout_s=240)
     for i, (sizes, schedule, zero, overrides) in enumerate(cases):
@@ -146,7 +139,6 @@ def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
                 want = ref_full.get(name, ref_full.get("embedding.word_embeddings.weight"))
                 assert (value - want).abs().max().item() < weight_tol, (what, name)
 
-
 @pytest.mark.parametrize("schedule", list(VP))
 def test_pp2_pp4_tp2_zero123_recompute(schedule):
     """PP 2 x DP 2 (ZeRO 1, GPT-2), PP 2 x TP 2 + SP (ZeRO 2, recompute), PP 4 (ZeRO 2),
@@ -155,16 +147,15 @@ def test_pp2_pp4_tp2_zero123_recompute(schedule):
                (dict(pp=2, tp=2), schedule, 2, dict(sequence_parallel=True, **RECOMPUTE)),
                (dict(pp=4), schedule, 2, {}), (dict(pp=2), schedule, 3, {})])
 
-
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_moe_ep2_and_cp2(schedule):
     """MoE (4 experts, EP 2 over the DP ranks) and context parallelism (CP 2), at PP 2, ZeRO 1."""
     _check(4, [(dict(pp=2, ep=2), schedule, 1, MOE), (dict(pp=2, cp=2), schedule, 1, {})])
 
-
 def test_bf16_with_gradient_accumulation_fusion_tracks_fp32():
-    _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16))], loss_tol=3e-2, weight_tol=3e-2)
-
+    """Untied, and tied (both vocabulary uses fused into the one weight's fp32 gradient)."""
+    _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16)), (dict(pp=2), "zbv", 2, dict(GPT2, **BF16, **TIED))],
+           loss_tol=3e-2, weight_tol=3e-2)
 
 def _toy_without_stores(rank, world):
     """A model of plain parameters (no deferring layer, no stores): under every zero-bubble plan
@@ -187,7 +178,6 @@ def _toy_without_stores(rank, world):
         out[schedule] = (errs, stats["deferred_weight_grads"], stats["schedule"])
     return out
 
-
 def test_zero_bubble_plans_without_stores_compute_whole_backwards():
     results = launch(_toy_without_stores, 4, timeout_s=60)
     for schedule in VP:
@@ -196,3 +186,12 @@ def test_zero_bubble_plans_without_stores_compute_whole_backwards():
             errs, deferred, name = r[schedule]
             assert name == schedule and deferred == 0
             assert all(v <= 1e-5 for v in errs.values()), (rank, schedule, errs)
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_tied_embeddings_with_the_v(schedule):
+    """Tied word embeddings with the V (embedding and output layer: chunks 0 and 1 of pipeline
+    rank 0, one parameter): PP 2 x DP 2 at ZeRO 0 (GPT-2: learned positions) and ZeRO 3, PP 2 x
+    TP 2 + SP (vocab-parallel) at ZeRO 1, PP 4 at ZeRO 2 -- the one-process tied model's losses
+    and norms within 1e-5."""
+    _check(4, [(dict(pp=2), schedule, 0, dict(GPT2, **TIED)), (dict(pp=2), schedule, 3, TIED),
+               (dict(pp=2, tp=2), schedule, 1, dict(TIED, sequence_parallel=True)), (dict(pp=4), schedule, 2, TIED)])
