@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.reader import KINDS, CheckpointReader
+from megazero.inference.load_model import load_model
 from tests.checkpoint.test_reshard import BASE, run, train_reference
 
 WORD = "embedding.word_embeddings.weight"
@@ -89,3 +90,5 @@ def test_tied_zbv_checkpoint_loads_at_1f1b_and_pp1_and_back(tmp_path):
             assert torch.equal(saved.full_param(WORD, kind), again.full_param(WORD, kind)), (name, kind)
         hist = run(2, tied + ["--pipeline-schedule", "zbv", "--load", str(tmp_path / name)])
         np.testing.assert_allclose([l for _, l in hist], ref[3:], rtol=1e-5, err_msg=f"{name} -> zbv")
+    tokens = torch.arange(16).reshape(1, 16)  # generation's one-process load finds every weight
+    torch.testing.assert_close(load_model(str(src))(tokens), load_model(str(tmp_path / "B"))(tokens), rtol=0, atol=0)
