@@ -26,22 +26,26 @@ GPT2 = dict(position_embedding_type="learned_absolute", swiglu=False, normalizat
 BF16 = dict(params_dtype=torch.bfloat16)
 TIED = dict(untie_embeddings_and_output_weights=False)  # Megatron's default GPT
 
+
 def _config(overrides):
     from megazero.model.config import GPTConfig
     values = dict(DENSE, params_dtype=torch.float32, untie_embeddings_and_output_weights=True)
     values.update(overrides)
     return GPTConfig.from_megatron(values, vocab_size=VOCAB)
 
+
 def _lr(overrides):
-    """bf16 runs step at 1e-3, as tests/zero/test_wgrad_fusion.py (Adam's sign-like first steps
+    """bf16 and fp16 runs step at 1e-3, as tests/zero/test_wgrad_fusion.py (Adam's sign-like first steps
     would turn bf16 rounding of tiny gradients into lr-sized weight differences)."""
-    return 1e-3 if overrides.get("params_dtype") == torch.bfloat16 else 1e-2
+    return 1e-3 if overrides.get("params_dtype") in (torch.bfloat16, torch.float16) else 1e-2
+
 
 def _batches(dp, m):
     g = torch.Generator().manual_seed(7)
     rand = lambda: torch.randint(0, VOCAB, (MB, SEQ), generator=g)  # noqa: E731
     return [[[{"tokens": rand(), "labels": rand(), "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.3).float()}
               for _ in range(m)] for _ in range(dp)] for _ in range(STEPS)]
+
 
 def _reference(data, overrides):
     """One process: per-iteration mean loss and gradient norm, final weights (AdamW, clip 1)."""
@@ -68,22 +72,26 @@ def _reference(data, overrides):
         losses.append(total)
     return losses, norms, model.full_state_dict()
 
+
 def _runner(topo, stages, m):
     from megazero.pipeline import PipelineRunner
     return PipelineRunner(topo, m, stages.activation_shape, stages.activation_dtype)
 
+
 def _hook_phases(stages):
     """Count, per deferring weight, the post-accumulate-grad hook calls (ZeRO's hook point) made
-    while its chunk's store defers (in B: must be none) and in total."""
+    while any chunk's store defers (in a B: must be none; the V's tied weight is used by both
+    chunks) and in total."""
     fires = {"in_b": 0, "total": 0}
-    for chunk, store in zip(stages.chunks, stages.weight_grad_stores):
+    for chunk in stages.chunks:
         for module in chunk.modules():
             if hasattr(module, "weight_grad_store") and getattr(module, "weight", None) is not None:
-                def hook(p, store=store):
-                    fires["in_b"] += store.defer
+                def hook(p):
+                    fires["in_b"] += any(s.defer for s in stages.weight_grad_stores)
                     fires["total"] += 1
                 module.weight.register_post_accumulate_grad_hook(hook)
     return fires
+
 
 def _train(rank, world, cases):
     import torch.distributed as dist
@@ -97,9 +105,13 @@ def _train(rank, world, cases):
         m = 2 * sizes["pp"]  # DualPipeV's least
         topo = Topology(world, rank, vp=VP[schedule], pipeline_schedule=schedule, **sizes).create_groups()
         stages = gpt_stages(_config(overrides), topo, MB)
-        bf16 = overrides.get("params_dtype") == torch.bfloat16
+        if topo.pp_rank == 0 and VP[schedule] == 2 and schedule != "interleaved-zb" and stages.shared_params:
+            weight = stages.chunks[0].embedding.word_embeddings.weight  # the V, tied: one parameter
+            assert [p for p, _ in stages.shared_params] == [weight] and stages.chunks[1].tied_output_weight() is weight
+        bf16, fp16 = (overrides.get("params_dtype") == t for t in (torch.bfloat16, torch.float16))
         args = args_for(zero, m, clip_grad=1.0, lr=_lr(overrides), zero_reduce_bucket_size=500, params_dtype=stages.activation_dtype,
-                        bf16=bf16, accumulate_allreduce_grads_in_fp32=bf16)
+                        bf16=bf16, fp16=fp16, loss_scale=1024.0 if fp16 else None,
+                        accumulate_allreduce_grads_in_fp32=bf16 or fp16)
         opt = ZeroOptimizer(stages.chunks, topo, **OptimizerConfig.from_args(args).kwargs(),
                             shared_params=stages.shared_params, tp_duplicated_params=stages.tp_duplicated_params,
                             expert_params=stages.expert_params)
@@ -125,6 +137,7 @@ def _train(rank, world, cases):
         out.append((losses if topo.is_last_stage else None, norms, full, stats["deferred_weight_grads"]))
     return out
 
+
 def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
     results = launch(_train, world, cases, timeout_s=240)
     for i, (sizes, schedule, zero, overrides) in enumerate(cases):
@@ -139,6 +152,7 @@ def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
                 want = ref_full.get(name, ref_full.get("embedding.word_embeddings.weight"))
                 assert (value - want).abs().max().item() < weight_tol, (what, name)
 
+
 @pytest.mark.parametrize("schedule", list(VP))
 def test_pp2_pp4_tp2_zero123_recompute(schedule):
     """PP 2 x DP 2 (ZeRO 1, GPT-2), PP 2 x TP 2 + SP (ZeRO 2, recompute), PP 4 (ZeRO 2),
@@ -147,15 +161,21 @@ def test_pp2_pp4_tp2_zero123_recompute(schedule):
                (dict(pp=2, tp=2), schedule, 2, dict(sequence_parallel=True, **RECOMPUTE)),
                (dict(pp=4), schedule, 2, {}), (dict(pp=2), schedule, 3, {})])
 
+
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_moe_ep2_and_cp2(schedule):
     """MoE (4 experts, EP 2 over the DP ranks) and context parallelism (CP 2), at PP 2, ZeRO 1."""
     _check(4, [(dict(pp=2, ep=2), schedule, 1, MOE), (dict(pp=2, cp=2), schedule, 1, {})])
 
+
 def test_bf16_with_gradient_accumulation_fusion_tracks_fp32():
-    """Untied, and tied (both vocabulary uses fused into the one weight's fp32 gradient)."""
+    """Untied, and tied (both vocabulary uses fused into the one weight's fp32 gradient), and
+    tied in fp16 (constant loss scale 1024) with the fp32 masters."""
     _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16)), (dict(pp=2), "zbv", 2, dict(GPT2, **BF16, **TIED))],
            loss_tol=3e-2, weight_tol=3e-2)
+    _check(4, [(dict(pp=2), "dualpipev", 1, dict(GPT2, params_dtype=torch.float16, **TIED))], loss_tol=1e-3,
+           weight_tol=5e-3)  # fp16 weights: one ulp of a norm weight near 1 is 1e-3
+
 
 def _toy_without_stores(rank, world):
     """A model of plain parameters (no deferring layer, no stores): under every zero-bubble plan
@@ -178,6 +198,7 @@ def _toy_without_stores(rank, world):
         out[schedule] = (errs, stats["deferred_weight_grads"], stats["schedule"])
     return out
 
+
 def test_zero_bubble_plans_without_stores_compute_whole_backwards():
     results = launch(_toy_without_stores, 4, timeout_s=60)
     for schedule in VP:
@@ -186,6 +207,7 @@ def test_zero_bubble_plans_without_stores_compute_whole_backwards():
             errs, deferred, name = r[schedule]
             assert name == schedule and deferred == 0
             assert all(v <= 1e-5 for v in errs.values()), (rank, schedule, errs)
+
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
 def test_tied_embeddings_with_the_v(schedule):
