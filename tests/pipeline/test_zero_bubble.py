@@ -35,8 +35,8 @@ def _config(overrides):
 
 
 def _lr(overrides):
-    """bf16 and fp16 runs step at 1e-3, as tests/zero/test_wgrad_fusion.py (Adam's sign-like first steps
-    would turn bf16 rounding of tiny gradients into lr-sized weight differences)."""
+    """bf16 and fp16 runs step at 1e-3, as tests/zero/test_wgrad_fusion.py (Adam's sign-like
+    first steps would turn bf16 rounding of tiny gradients into lr-sized weight differences)."""
     return 1e-3 if overrides.get("params_dtype") in (torch.bfloat16, torch.float16) else 1e-2
 
 
