@@ -37,7 +37,9 @@ class ModelStages:
       sequence parallelism).
     * ``shared_params``: ``[(param, process_group)]``, copies of one weight held on several stages
       (tied embeddings): their gradients are summed over the group before the DP reduction, so
-      the copies take the same step; ``[]`` when nothing is shared.
+      the copies take the same step; ``[]`` when nothing is shared. A weight that several chunks
+      of one rank use (the V's tied embedding) is listed once, over a one-rank group: ZeRO then
+      reduces it once the step's gradients are all in.
     * ``tp_duplicated_params``: parameters replicated over TP, counted once in the gradient norm.
     * ``rng_states``: objects with ``state_dict()``/``load_state_dict()`` (one per chunk, e.g. the
       dropout RNG trackers) that a checkpoint saves and an exact resume restores.
