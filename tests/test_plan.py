@@ -71,6 +71,22 @@ def test_stage_params_match_megazero_model_slices(kw):
         assert _slices(kw, None, pp) == [plan.stage_params(shape, 1, pp, r) for r in range(pp)], (kw, pp)
 
 
+@pytest.mark.parametrize("kw", VARIANTS[:2])
+def test_stage_params_with_the_v_match_the_chunks(kw):
+    """zbv at PP 2: rank 0 holds stages 0 and 3 (embedding and head); tied, its head multiplies by
+    its embedding's weight (one matrix: the ranks' sum is the whole model), untied it has both."""
+    from megazero.parallel.layout import chunk_layer_ranges, chunk_roles
+    shape, counts = _shape(kw), []
+    for r in range(2):
+        chunks, embedding = [], None
+        for (a, b), (pre, post) in zip(chunk_layer_ranges(4, 2, 2, r, "v"), chunk_roles(2, 2, r, "v")):
+            chunks.append(GPTModel(shape, None, a, b, pre_process=pre, post_process=post, tied_embedding=embedding))
+            embedding = chunks[-1].embedding.word_embeddings if pre else embedding
+        counts.append(sum(map(_numel, chunks)))
+        assert counts[-1] == sum(plan.stage_param_split(shape, 1, 2, r, 2, schedule="zbv")), (kw, r)
+    assert sum(counts) == plan.total_params(shape)
+
+
 def _tp_counts(rank, world):
     topo = Topology(world, rank, tp=world).create_groups()
     return [_slices(kw, topo, pp) for kw in VARIANTS for pp in (1, 2)]

@@ -104,6 +104,19 @@ def test_real_groups_all_reduce_on_8_ranks():
     assert results[5][1]["embedding"] == [1, 5]
 
 
+def _v_embedding_groups(rank, world_size):
+    topo = Topology(world_size, rank, pp=4, vp=2, pipeline_schedule="zbv").create_groups()
+    group = topo.embedding_group
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def test_embedding_group_with_the_v_is_pipeline_rank_0_alone():
+    """With the V the first and the last stage are both on pipeline rank 0 (one tied weight
+    there, ``megazero.model.stages.shared_embedding_params``): its embedding group is that rank
+    alone; the other ranks, PP - 1 included, are in none."""
+    assert run_distributed(_v_embedding_groups, 4) == [[0], None, None, None]
+
+
 def _fails_on_rank_2(rank, world_size):
     if rank == 2:
         raise ValueError("injected failure")

@@ -20,10 +20,11 @@ Schedules (``megazero.pipeline.SCHEDULES``, plans in ``megazero/pipeline/plan.py
   instead and keeps *one* copy, like ``zbv`` -- so ``dualpipev`` doubles nothing. The original
   (``dualpipe``) is refused for that doubling.
 
-The tied word embedding with the V: the embedding (stage 0) and the output layer (stage
-``2 PP - 1``) are two chunks of pipeline rank 0, which the tied-copy sync over the embedding
-group (first and last pipeline rank) does not cover yet: refused, pass
-``--untie-embeddings-and-output-weights``.
+The tied word embedding (Megatron's default) with the V: the embedding (stage 0) and the output
+layer (stage ``2 PP - 1``) are two chunks of pipeline rank 0, and there the output layer
+multiplies by the embedding's weight itself: one parameter, its gradient the sum of both uses
+(``megazero.model.stages.shared_embedding_params``). Multi-token prediction stays refused with
+the V (``mtp_flags.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def check_pipeline_schedule(err, args, dp: int | None) -> None:
 
 
 def _check_chunks(err, args, name, flag, pp) -> None:
-    """Virtual stages as the schedule needs them; the V's fold; tied embeddings with the V."""
+    """Virtual stages as the schedule needs them; the V's fold."""
     per_vp, layers = args.num_layers_per_virtual_pipeline_stage, args.num_layers
     if name in _LOOPED_VP and per_vp is None:
         err(f"{flag} needs virtual stages: give --num-layers-per-virtual-pipeline-stage")
@@ -107,9 +108,6 @@ def _check_chunks(err, args, name, flag, pp) -> None:
         elif per_vp is not None and per_vp * 2 * pp != layers:
             err(f"{flag} needs exactly 2 chunks per rank: --num-layers-per-virtual-pipeline-stage must be "
                 f"{layers // (2 * pp)} (--num-layers {layers} / (2 x PP {pp})), got {per_vp}; or drop it")
-    if name in V_SCHEDULES and not args.untie_embeddings_and_output_weights:
-        err(f"{flag} puts the word embedding and the output layer on pipeline rank 0 as two chunks, whose tied "
-            "copies are not synced there yet: pass --untie-embeddings-and-output-weights")
 
 
 def derive_pipeline(args) -> None:

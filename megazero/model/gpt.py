@@ -18,7 +18,11 @@ but not ``pre_process`` (the last of several stages) owns ``output_layer.weight`
 the word embedding's seed so it starts equal; :meth:`shared_embedding_weight` returns the weight
 to keep in sync over ``topo.embedding_group`` (first stage: the embedding; last: its copy; a
 single-stage model or a middle stage: None). Whether a slice is the only stage is thus derived
-from ``pre_process and post_process``; no extra flag.
+from ``pre_process and post_process``; no extra flag. The exception is a last slice given
+``tied_embedding``, the word embedding of another slice on the *same rank* (the V placement of
+``zbv``/``dualpipev``: virtual stages 0 and ``2 PP - 1`` are both chunks of pipeline rank 0): it
+owns no output weight and multiplies by that very parameter, held unregistered (one parameter,
+one master, one optimizer state; see ``megazero.model.stages.shared_embedding_params``).
 
 Sequence parallelism: hidden states between stages are ``[s/p, b, h]``; the embedding
 reduce-scatters into that layout and the output layer all-gathers out of it. Replicated
@@ -89,7 +93,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: GPTConfig, topo=None, layer_start: int = 0, layer_end: int | None = None,
                  pre_process: bool = True, post_process: bool = True, device=None, meta_init: bool = False,
-                 moe_state=None):
+                 moe_state=None, tied_embedding: nn.Module | None = None):
         super().__init__()
         self.config, self.topo = config, topo
         self.tp_group = topo.tp_group if topo is not None else None
@@ -121,7 +125,10 @@ class GPTModel(nn.Module):
             for n in range(self.layer_start, self.layer_end)})
         if post_process:
             self.final_norm = Norm(config, self.tp_group, self.sequence_parallel, where)
-            uses_embedding = config.tied_embeddings and pre_process
+            twin = tied_embedding if config.tied_embeddings and not pre_process else None
+            # a tuple: the other chunk's embedding, not registered here (its parameter is that chunk's)
+            self.tied_embedding = (twin,) if twin is not None else ()
+            uses_embedding = config.tied_embeddings and (pre_process or twin is not None)
             key = WORD_EMBEDDING if config.tied_embeddings else "output_layer.weight"
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab, self.tp_group, bias=False,
@@ -152,6 +159,14 @@ class GPTModel(nn.Module):
         if self.post_process:
             return self.mtp.embedding.word_embeddings.weight if mtp_copy else self.output_layer.weight
         return None
+
+    def tied_output_weight(self) -> nn.Parameter | None:
+        """The weight the output layer multiplies by when it owns none (tied): this slice's word
+        embedding, or the one of this rank's first chunk (``tied_embedding``, the V); None: its own."""
+        if self.output_layer.weight is not None:
+            return None
+        owner = self.embedding.word_embeddings if self.pre_process else self.tied_embedding[0]
+        return owner.weight
 
     def _layer_groups(self) -> list[tuple[list[nn.Module], bool]]:
         """Consecutive layers and whether each run is recomputed (full granularity)."""
@@ -210,7 +225,7 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         hidden = self.final_norm(hidden)
-        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        weight = self.tied_output_weight()
         logits = self.output_layer(hidden, weight)  # [s, b, V'/p]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

@@ -37,7 +37,9 @@ class ModelStages:
       sequence parallelism).
     * ``shared_params``: ``[(param, process_group)]``, copies of one weight held on several stages
       (tied embeddings): their gradients are summed over the group before the DP reduction, so
-      the copies take the same step; ``[]`` when nothing is shared.
+      the copies take the same step; ``[]`` when nothing is shared. A weight that several chunks
+      of one rank use (the V's tied embedding) is listed once, over a one-rank group: ZeRO then
+      reduces it once the step's gradients are all in.
     * ``tp_duplicated_params``: parameters replicated over TP, counted once in the gradient norm.
     * ``rng_states``: objects with ``state_dict()``/``load_state_dict()`` (one per chunk, e.g. the
       dropout RNG trackers) that a checkpoint saves and an exact resume restores.
@@ -112,16 +114,19 @@ def build_model_chunks(config, topo, meta_init: bool = False) -> list[nn.Module]
     layers of virtual stage ``c * PP + pp_rank`` (:func:`~megazero.pipeline.chunk_layer_ranges`),
     or with the V of ``topo.pipeline_schedule`` zbv/dualpipev stage ``pp_rank`` (chunk 0) and
     ``2 PP - 1 - pp_rank`` (chunk 1); the embedding on virtual stage 0, the final norm, output
-    layer and loss on the last (both on pipeline rank 0 with the V)."""
+    layer and loss on the last (both on pipeline rank 0 with the V, where a tied output layer
+    multiplies by chunk 0's word embedding itself: :func:`shared_embedding_params`)."""
     from .gpt import GPTModel
     where = chunk_placement(getattr(topo, "pipeline_schedule", None))  # zbv/dualpipev: the V
     ranges = chunk_layer_ranges(config.num_layers, topo.pp, topo.vp, topo.pp_rank, where)
     roles = chunk_roles(topo.pp, topo.vp, topo.pp_rank, where)
-    chunks, state = [], None
+    chunks, state, embedding = [], None, None
     for (start, end), (pre, post) in zip(ranges, roles):  # one MoEState shared by the chunks
         chunks.append(GPTModel(config, topo, layer_start=start, layer_end=end, pre_process=pre, post_process=post,
-                               meta_init=meta_init, moe_state=state))
+                               meta_init=meta_init, moe_state=state, tied_embedding=embedding))
         state = chunks[-1].moe_state
+        if pre and config.tied_embeddings:  # this rank's word embedding, for its last chunk's output layer
+            embedding = chunks[-1].embedding.word_embeddings
     return chunks
 
 
@@ -132,14 +137,31 @@ def shared_embedding_params(chunks, topo) -> list:
     Only with PP > 1 on the first stage (the embedding) or the last (its copy, the output layer's
     weight, initialized equal) of a model with tied embeddings; the gradient sum over the
     embedding group (first + last stage of each pipeline) keeps the copies equal.
+
+    The V (``zbv``, ``dualpipev``): the first and the last stage are chunks 0 and 1 of pipeline
+    rank 0, and there the tie is *one parameter*: chunk 1's output layer multiplies by chunk 0's
+    word-embedding weight itself (:func:`build_model_chunks`), so ``dL/dW = dL/dW|_embedding +
+    dL/dW|_output`` is summed by accumulation into the one gradient, the one master takes one
+    step, and the norm sees the weight once -- no copy, no second optimizer state of the largest
+    matrix, nothing to sync. It is still listed here, over ``topo.embedding_group`` (with the V:
+    pipeline rank 0 alone, a one-rank group whose sum is skipped), because a weight that two
+    chunks use gets two gradient deliveries per micro-batch (two backward calls, or two ``W``
+    actions of the split backward: one store per chunk, each delivering through the weight's
+    ``AccumulateGrad``), and a tie region is what ZeRO reduces only once the whole step's
+    gradient is in (``finish_grad_sync``): an ordinary region would reduce after the first
+    delivery (stage 2), and at stage 3 it stays whole instead of in chunk 0's gathered unit,
+    which chunk 1 does not gather. The rejected alternative, a second copy in chunk 1 summed
+    locally, would double that matrix's weights, master and Adam moments on rank 0, the rank the V
+    already loads with both vocabulary ends.
     """
     if topo.pp == 1 or not (topo.is_first_stage or topo.is_last_stage):
         return []
-    owners = ([chunks[0]] if topo.is_first_stage else []) + ([chunks[-1]] if topo.is_last_stage else [])
+    owners = list(dict.fromkeys(([chunks[0]] if topo.is_first_stage else []) +
+                                ([chunks[-1]] if topo.is_last_stage else [])))
     weights = [chunk.shared_embedding_weight() for chunk in owners]
-    if chunk_placement(getattr(topo, "pipeline_schedule", None)) == "v" and any(w is not None for w in weights):
-        raise ValueError("tied word embeddings with the V placement (zbv, dualpipev: embedding and output layer "
-                         "both on pipeline rank 0) are not synced yet: untie them (--untie-embeddings-and-output-weights)")
+    if chunk_placement(getattr(topo, "pipeline_schedule", None)) == "v" and chunks[0].config.mtp_num_layers:
+        raise ValueError("multi-token prediction with the V placement (zbv, dualpipev): the last stage's MTP "
+                         "embedding would be a second copy on pipeline rank 0; use another --pipeline-schedule")
     return [(w, topo.embedding_group) for w in weights if w is not None]
 
 

@@ -161,6 +161,13 @@ class Topology:
 
     @property
     def embedding_group(self):
+        """The ranks holding the first or the last stage of this pipeline (tied embeddings): the
+        first and last pipeline rank; with the V placement both stages are on pipeline rank 0,
+        so the group is that rank alone -- the ``position_embedding`` group's ranks (the
+        ``embedding`` rank lists are the schedule-blind layout's; pipeline rank PP - 1 is then in
+        no embedding group)."""
+        if chunk_placement(self.pipeline_schedule) == "v":
+            return self.group("position_embedding")
         return self.group("embedding")
 
     # ---- process groups ----------------------------------------------------------------

@@ -11,7 +11,8 @@ group, no tensors. :mod:`megazero.planner` tries every layout with it; the flags
 alone the QKV's ``(H + 2G) d / t``, with ``--qk-layernorm`` the q and k norms ``2 n_d`` (whole on
 every TP rank: ``n_d = 2d`` LayerNorm or ``d`` RMSNorm); the first stage adds the word
 embedding ``V' h / t`` (V' padded to a multiple of 128 t) and learned positions ``P h``; the last
-the final norm and, untied or PP > 1, the output layer ``V' h / t``. An MoE layer
+the final norm and, untied or on a rank without the embedding, the output layer ``V' h / t``
+(tied with the V of zbv/dualpipev, rank 0 holds both ends and one matrix). An MoE layer
 (``--moe-layer-freq``) has the attention and norms, the router ``E h``, the shared expert
 (an MLP over TP) and its gate ``h`` -- dense -- and ``E / EP`` routed experts of ``k f_e h / ETP``
 each -- expert Φ_e.
@@ -134,7 +135,8 @@ def stage_param_split(shape: GPTConfig, tp: int, pp: int, rank: int, vp: int = 1
         dense += moe_layers * (attention_params(shape, tp) + 2 * norm_params(shape) + d)
         expert = moe_layers * e
     dense += embedding_params(shape, tp) if first else 0
-    dense += head_params(shape, tp, pp) + mtp_extra_params(shape, tp, pp) if last else 0
+    # a tied head on the embedding's rank (PP 1, or the V's rank 0) multiplies by that weight: no copy
+    dense += head_params(shape, tp, 1 if first else pp) + mtp_extra_params(shape, tp, pp) if last else 0
     return dense, expert
 
 

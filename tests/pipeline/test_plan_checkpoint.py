@@ -7,8 +7,10 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.reader import KINDS, CheckpointReader
+from megazero.inference.load_model import load_model
 from tests.checkpoint.test_reshard import BASE, run, train_reference
 
+WORD = "embedding.word_embeddings.weight"
 FLAGS = BASE + ["--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "2"]
 ZBV = FLAGS + ["--pipeline-schedule", "zbv"]
 
@@ -68,3 +70,26 @@ def test_pipeline_trace_shows_the_ws(tmp_path):
     ws = {(e["pid"], e["args"]["chunk"]) for e in events if e["cat"] == "weight-grad"}
     assert ws == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert sum(e["cat"] == "weight-grad" for e in events) == 2 * 2 * 4  # ranks x chunks x micro-batches
+
+
+def test_tied_zbv_checkpoint_loads_at_1f1b_and_pp1_and_back(tmp_path):
+    """Tied embeddings (Megatron's default) with the V (ZeRO 3, built on the meta device as
+    training builds): the one weight of rank 0's two chunks is saved under
+    ``embedding.word_embeddings.weight`` as in any layout; it loads into a 1f1b PP 2 run (ZeRO 0;
+    its last stage reads its copy through the alias) and a PP 1 x DP 2 ZeRO 3 run, each going on
+    with the uninterrupted zbv run's losses, and both their checkpoints load back into zbv (ZeRO 1)
+    with the same losses (fp32, rtol 1e-5)."""
+    tied = BASE + ["--pipeline-model-parallel-size", "2"]
+    src, ref = train_reference(tmp_path, "V", 2, tied + ["--pipeline-schedule", "zbv", "--zero-stage", "3"])
+    saved = CheckpointReader(str(src), 3)
+    assert "output_layer.weight" not in saved.param_names() and saved.aliases == {"output_layer.weight": WORD}
+    for name, flags in (("B", tied), ("C", BASE + ["--pipeline-model-parallel-size", "1", "--zero-stage", "3"])):
+        hist = run(2, flags + ["--load", str(src)], save_at_load=str(tmp_path / name))
+        np.testing.assert_allclose([l for _, l in hist], ref[3:], rtol=1e-5, err_msg=name)
+        again = CheckpointReader(str(tmp_path / name))
+        for kind in KINDS:
+            assert torch.equal(saved.full_param(WORD, kind), again.full_param(WORD, kind)), (name, kind)
+        hist = run(2, tied + ["--pipeline-schedule", "zbv", "--zero-stage", "1", "--load", str(tmp_path / name)])
+        np.testing.assert_allclose([l for _, l in hist], ref[3:], rtol=1e-5, err_msg=f"{name} -> zbv")
+    tokens = torch.arange(16).reshape(1, 16)  # generation's one-process load finds every weight
+    torch.testing.assert_close(load_model(str(src))(tokens), load_model(str(tmp_path / "B"))(tokens), rtol=0, atol=0)

@@ -66,11 +66,16 @@ def test_every_batch_size_of_a_schedule_is_checked(capsys):
                        "0:8 1K:16"], world_size=4, prog="pretrain_gpt.py")
 
 
-def test_tied_embeddings_refused_with_the_v(capsys):
+def test_tied_embeddings_taken_with_the_v_mtp_refused(capsys):
+    """Megatron's default (tied) GPT with zbv/dualpipev is accepted (one parameter on rank 0's two
+    chunks); multi-token prediction stays refused with the V, in one line."""
+    tied = [a for a in BASE if a != "--untie-embeddings-and-output-weights"] + ["--global-batch-size", "8"]
+    for name in ("zbv", "dualpipev"):
+        args = parse_args(tied + ["--pipeline-schedule", name], world_size=4, prog="pretrain_gpt.py")
+        assert not args.untie_embeddings_and_output_weights and args.virtual_pipeline_model_parallel_size == 2
     with pytest.raises(SystemExit):
-        parse_args([a for a in BASE if a != "--untie-embeddings-and-output-weights"] +
-                   ["--global-batch-size", "8", "--pipeline-schedule", "zbv"], world_size=4, prog="pretrain_gpt.py")
-    assert "pass --untie-embeddings-and-output-weights" in capsys.readouterr().err
+        parse(["--pipeline-schedule", "zbv", "--mtp-num-layers", "1", "--position-embedding-type", "rope"])
+    assert "--mtp-num-layers 1 with --pipeline-schedule zbv: the V placement" in capsys.readouterr().err
 
 
 def test_pp1_refuses_pipelined_schedules(capsys):
