@@ -3,30 +3,32 @@
 One posting for every schedule and every backend (so the gloo suite runs what NCCL runs):
 
 * every message is a single ``torch.distributed.isend`` / ``irecv`` -- never a coalesced
-  ``batch_isend_irecv`` -- and the channel ``src -> dst`` (pipeline ranks) travels on the
-  pipeline group when ``src < dst`` and on the default group (``WORLD``) otherwise
-  (:func:`.streams.channel_group`).  On NCCL a single op runs on a two-rank communicator of its
-  group and pair, one stream each (pytorch/pytorch#132852, #152220), so each stream carries one
-  channel, one direction, in order; Megatron uses ``WORLD`` the same way for one direction of a
-  two-rank pipeline (megatron-core 0.16.1 pipeline_parallel/p2p_communication.py ``_p2p_ops``,
-  lines 64-76);
+  ``batch_isend_irecv`` -- on the communicator of its channel's class
+  (:func:`.streams.channel_class`: 2, 4 or 6 groups over all ranks, made once per topology by
+  :func:`channel_groups`), so that each rank's NCCL stream of a group carries one channel, one
+  direction, in order -- whether torch runs single ops on the group's communicator (a default
+  group bound to a device, as the launcher makes it) or on a two-rank one per pair (see
+  :mod:`.streams`); Megatron gives one direction of a two-rank pipeline its own communicator for
+  the same reason (megatron-core 0.16.1 pipeline_parallel/p2p_communication.py ``_p2p_ops``,
+  lines 64-76, ``WORLD`` "to allow the overlap of the independent communications");
 * an exchange posts its sends, then its receives, and waits for the receives only; the sends
   complete in the background and are waited for when the step ends (:meth:`finish_sends`), as
   ``torch.distributed.pipelining``'s runtime does for its zero-bubble schedules (torch 2.13
   pipelining/schedules.py: ``_PipelineScheduleRuntime._step_microbatches`` keeps ``send_ops``
   and waits them after the last action, lines 2440-2472 and 2654-2655; its ``_batch_p2p``, lines
   623-648, posts all-send or all-receive batches as single ops, uncoalesced);
-* the first exchange connects every neighbour channel with one tiny message, pairs in one global
-  order, so no lazily created NCCL communicator blocks a rank in the middle of a step.
+* the first exchange sends one tiny message on each of the rank's channels, class by class, so
+  no lazily created NCCL communicator blocks a rank's CPU in the middle of a step.
 
 Why not Megatron's 1F1B pairing (``send_forward_recv_backward``: the step's send and receive in
 one ``batch_isend_irecv``, waited whole): a coalesced batch is one NCCL group that completes only
 when all its ops are matched, and the groups of a rank queue on one stream; the zero-bubble plans
 send before their peer posts the matching receive and deadlock so (``interleaved-zb``, ``zbv``,
 ``dualpipev``), while single ops on a shared pair stream deadlock even 1F1B (both neighbours send
-first).  :func:`.streams.check_streams` proves all three statements on the plans, and that this
-posting is deadlock-free for every schedule; gloo sends also complete only when received, so the
-gloo tests run the same waits.
+first), and so do two streams per rank (sends and receives, or up and down the pipeline: ZB).
+:func:`.streams.check_streams` shows all of it on the plans, and that this posting is
+deadlock-free for every schedule (``check_plans`` runs it before every run); gloo sends also
+complete only when received, so the gloo tests run the same waits.
 
 Shapes and dtype are fixed by the arguments -- ``[s, b, h]``, or ``[s / TP, b, h]`` with sequence
 parallelism (:func:`pipeline_tensor_shape`) -- so receives are allocated up front and no shape
@@ -44,11 +46,22 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .streams import channel_group
+from .streams import channel_class, channel_classes
+
+GROUPS_KEY = "pp_channels"  # topo.groups entry holding the channel classes' process groups
 
 
 class PipelineCommError(RuntimeError):
     """A point-to-point exchange failed or timed out; the message names the peers involved."""
+
+
+def channel_groups(topo) -> tuple:
+    """The process groups of the channel classes (``channel_classes(PP)`` of them, each over all
+    ranks), created on first use -- a collective: every rank's first communicator is built at
+    the same point of the run -- and kept in ``topo.groups`` for the topology's later runners."""
+    if GROUPS_KEY not in topo.groups:
+        topo.groups[GROUPS_KEY] = tuple(dist.new_group() for _ in range(channel_classes(topo.pp)))
+    return topo.groups[GROUPS_KEY]
 
 
 class P2PCommunicator:
@@ -60,14 +73,12 @@ class P2PCommunicator:
         self.dtype = dtype
         self.device = torch.device(device)
         self.ranks = topo.rank_lists["pp"]
-        # channel_group 0 / 1 -> process group (WORLD is a distinct communicator: topo.pp_group
-        # always comes from new_group)
-        self.groups = (topo.pp_group, dist.group.WORLD) if topo.pp > 1 else (None, None)
+        self.groups = channel_groups(topo) if topo.pp > 1 else ()
         self._sent = []  # [(send work, the tensor it reads)] not yet seen complete
         self._connected = False
 
     def _group(self, src: int, dst: int):
-        return self.groups[channel_group(src, dst)]
+        return self.groups[channel_class(self.topo.pp, src, dst)]
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[int]) -> list[torch.Tensor]:
         """Post every send ``(tensor, peer pipeline rank)``, then one receive per peer in
@@ -99,20 +110,19 @@ class P2PCommunicator:
         return out
 
     def _connect(self) -> None:
-        """One message on every channel to and from the neighbours ``(r +- 1) % PP``, pair by
-        pair in the order ``(group, lower rank, higher rank)`` on every rank: each channel's
-        communicator is created here (NCCL does so at a pair's first op, blocking both ranks'
-        CPUs until both arrive), and the pair first in that order always has both ranks at it."""
+        """One message on each of this rank's channels (to and from ``(r +- 1) % PP``), class by
+        class: each channel's communicator exists afterwards (NCCL makes a lazy one at a pair's
+        first op, blocking both CPUs until both arrive), and the lowest class with a rank still
+        at it has both ends of its channel there, so this cannot block."""
         me, pp = self.topo.pp_rank, self.topo.pp
-        pairs = sorted({(min(me, n), max(me, n)) for n in ((me - 1) % pp, (me + 1) % pp) if n != me})
-        for g in (0, 1):
-            for lo, hi in pairs:
-                src, dst = (lo, hi) if g == channel_group(lo, hi) else (hi, lo)
-                buf = torch.zeros(1, dtype=self.dtype, device=self.device)
-                if src == me:
-                    dist.isend(buf, dst=self.ranks[dst], group=self.groups[g]).wait()
-                else:
-                    dist.irecv(buf, src=self.ranks[src], group=self.groups[g]).wait()
+        chans = {(me, n) for n in ((me - 1) % pp, (me + 1) % pp) if n != me}
+        chans |= {(n, me) for _, n in chans}
+        for src, dst in sorted(chans, key=lambda c: channel_class(pp, *c)):
+            buf = torch.zeros(1, dtype=self.dtype, device=self.device)
+            if src == me:
+                dist.isend(buf, dst=self.ranks[dst], group=self._group(src, dst)).wait()
+            else:
+                dist.irecv(buf, src=self.ranks[src], group=self._group(src, dst)).wait()
         self._connected = True
 
     def finish_sends(self) -> None:

@@ -1,29 +1,32 @@
 """The plans under NCCL's point-to-point semantics: a model of communication streams that decides
 whether a way of posting the exchanges can deadlock, for every rank's plan together.
 
-NCCL facts the model encodes (NCCL user guide, "Point-to-point communication": a send or a
-receive *blocks the GPU stream* it runs on until the peer's matching operation runs; operations
-that must progress together have to be fused in one ``ncclGroupStart/End``): every op -- or
-every fused group -- occupies the head of a FIFO stream until it completes, and a send and its
-receive complete only when both are at the head of their streams.  What is a stream depends on
-how torch issues the op (torch 2.13): ``batch_isend_irecv`` on NCCL coalesces the batch into one
-group on the process group's own communicator (one stream per rank and group;
-distributed_c10d.py ``batch_isend_irecv``, the ``supports_coalescing`` branch), while a single
-``isend``/``irecv`` runs on a two-rank communicator of that group and pair (one stream per pair:
-a send to a peer shares it with the receives from that peer -- pytorch/pytorch#132852, #152220).
+NCCL facts the model encodes (NCCL user guide, "Point-to-point communication", ``ncclSend``: the
+op *blocks the GPU stream* it runs on until the peer's matching op runs; ops that must progress
+together have to be fused in one ``ncclGroupStart/End``): every op -- or every fused group --
+holds the head of a FIFO stream until it completes, and a send and its receive complete only
+when both head their streams.  What is a stream depends on how torch issues the op (torch 2.13):
+``batch_isend_irecv`` on NCCL coalesces the batch into one group on the process group's
+communicator (distributed_c10d.py ``batch_isend_irecv``, the ``supports_coalescing`` branch),
+one stream per rank and group; a single ``isend``/``irecv`` runs on a two-rank communicator of
+that group and pair when the group was created lazily (pytorch/pytorch#132852, #152220) but on
+the group's own communicator -- one stream per rank and group again -- when the default group is
+bound to a device, as megazero's launcher binds it (``device_id``; pytorch/pytorch#154132:
+"all p2p communication would use the same collective communicator ... serialized").
 
 Postings (``units`` below), for a plan's COMM (sends of the step before, receives of the next):
 
 * ``"coalesced"`` -- the COMM as one ``batch_isend_irecv``, waited whole: the old NCCL path, and
   Megatron's (p2p_communication.py ``_batched_p2p_ops`` + ``wait_on_reqs``).  Safe for 1F1B,
   interleaved 1F1B and ZB-H1; deadlocks ``interleaved-zb``, ``zbv`` and ``dualpipev``.
-* ``"pairs"`` -- single ops on one group: both directions of a pair share a stream; deadlocks
-  even 1F1B (both neighbours send first).
-* ``"channels"`` -- what :class:`~.p2p.P2PCommunicator` posts: single ops, a channel ``src ->
-  dst`` on the pipeline group when ``src < dst`` and on the second communicator otherwise
-  (:func:`channel_group`), so every stream carries one channel's messages in one direction, in
+* ``"pairs"`` -- single ops on one group per pair: both directions share a stream; deadlocks
+  even 1F1B (both neighbours send first).  (Two streams per rank -- sends and receives, or
+  up and down the pipeline -- still deadlock ``interleaved-zb``; only one per channel is safe.)
+* ``"channels"`` -- what :class:`~.p2p.P2PCommunicator` posts: single ops, the channel ``src ->
+  dst`` on communicator :func:`channel_class`, of which each rank uses at most one per class, so
+  that every stream -- under either rule above -- carries one channel in one direction, in
   order; receives waited before the next compute, sends at the end of the step.  A blocked send
-  then holds up only later sends of its own channel, whose receives come later anyway: the plans
+  then holds up only later sends of its channel, whose receives come later anyway: the plans
   that are deadlock-free with sends in the background (:func:`~.simulate.simulate`) are so here.
 * ``strict`` (with ``"channels"``): the rank itself waits for a channel's previous send before it
   posts the next one (what a CPU-blocking wait on a send would do). Deadlocks ``interleaved-zb``,
@@ -36,16 +39,32 @@ from __future__ import annotations
 POSTINGS = ("channels", "coalesced", "pairs")
 
 
-def channel_group(src: int, dst: int) -> int:
-    """Which communicator carries the messages of pipeline rank ``src`` to ``dst``: 0 (the
-    pipeline group) when ``src < dst``, 1 (the second one) otherwise -- each direction of a pair
-    on its own NCCL stream."""
-    return 0 if src < dst else 1
+def channel_classes(pp: int) -> int:
+    """How many communicators the channels of a ``pp``-rank pipeline need (:func:`channel_class`)."""
+    return 0 if pp < 2 else 2 if pp == 2 else 4 if pp % 2 == 0 else 6
 
 
-def units(rank: int, ops, posting: str) -> list[tuple[object, list[int], bool]]:
+def channel_class(pp: int, src: int, dst: int) -> int:
+    """The communicator (``0 <= class < channel_classes(pp)``) that carries the messages of
+    pipeline rank ``src`` to its neighbour ``dst``: ``2 colour + direction``, where the pair
+    ``{i, i + 1 mod PP}`` has colour ``i % 2`` (colour 2 for the wrap pair when PP is odd), so
+    the two pairs of a rank differ, and direction 0 is ``i -> i + 1``.  Each rank so uses at most
+    one channel of each class: one NCCL stream per channel."""
+    if pp == 2:
+        return src
+    if (src + 1) % pp == dst:
+        pair, direction = src, 0
+    elif (dst + 1) % pp == src:
+        pair, direction = dst, 1
+    else:
+        raise ValueError(f"pipeline ranks {src} -> {dst} are not neighbours (PP {pp})")
+    colour = 2 if pp % 2 and pair == pp - 1 else pair % 2
+    return 2 * colour + direction
+
+
+def units(rank: int, ops, posting: str, pp: int) -> list[tuple[object, list[int], bool]]:
     """``[(stream, op indices, waited before the next compute)]`` for one COMM's ``ops`` of
-    ``rank``, in posting order (a hand-over inside the rank, ``peer == rank``, is no unit)."""
+    pipeline ``rank`` of ``pp``, in posting order (a hand-over inside the rank, ``peer == rank``, is no unit)."""
     idx = [j for j, op in enumerate(ops) if op.peer != rank]
     if posting == "coalesced":
         return [("group", idx, True)] if idx else []
@@ -57,7 +76,7 @@ def units(rank: int, ops, posting: str) -> list[tuple[object, list[int], bool]]:
         op = ops[j]
         src, dst = (rank, op.peer) if op.op == "send" else (op.peer, rank)
         stream = ("pair", min(src, dst), max(src, dst)) if posting == "pairs" else \
-            ("channel", channel_group(src, dst), src, dst)
+            ("class", channel_class(pp, src, dst))
         out.append((stream, [j], op.op == "recv"))
     return out
 
@@ -153,7 +172,7 @@ def check_streams(plans, posting: str = "channels", strict: bool = False) -> Non
                 a = plan[pcs[r]]
                 if a.kind == "COMM":
                     if states[r] is None:
-                        states[r] = [units(r, a.ops, posting), 0, []]
+                        states[r] = [units(r, a.ops, posting, len(plans)), 0, []]
                     before = states[r][1]
                     posted = _post(r, pcs[r], a, pos, posting, strict, queues, where, states[r])
                     moved = moved or states[r][1] > before
