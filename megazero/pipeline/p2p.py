@@ -57,10 +57,12 @@ class PipelineCommError(RuntimeError):
 
 def channel_groups(topo) -> tuple:
     """The process groups of the channel classes (``channel_classes(PP)`` of them, each over all
-    ranks), created on first use -- a collective: every rank's first communicator is built at
-    the same point of the run -- and kept in ``topo.groups`` for the topology's later runners."""
+    ranks, with the backend and timeout of the topology's groups), created on first use -- a
+    collective: every rank's first communicator is built at the same point of the run -- and kept
+    in ``topo.groups`` for the topology's later runners."""
     if GROUPS_KEY not in topo.groups:
-        topo.groups[GROUPS_KEY] = tuple(dist.new_group() for _ in range(channel_classes(topo.pp)))
+        options = getattr(topo, "group_options", {})
+        topo.groups[GROUPS_KEY] = tuple(dist.new_group(**options) for _ in range(channel_classes(topo.pp)))
     return topo.groups[GROUPS_KEY]
 
 
@@ -124,6 +126,11 @@ class P2PCommunicator:
             else:
                 dist.irecv(buf, src=self.ranks[src], group=self._group(src, dst)).wait()
         self._connected = True
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Sends posted and not yet waited for (0 after :meth:`finish_sends`)."""
+        return len(self._sent)
 
     def finish_sends(self) -> None:
         """Wait for every send still in flight (the end of a step)."""
