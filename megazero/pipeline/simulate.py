@@ -1,8 +1,10 @@
 """The deadlock simulator: all ranks' plans run together, in simulated time, without processes.
 
-:func:`simulate` executes every rank's plan (:mod:`.plan`) with blocking rendezvous semantics
-(a send completes only when its receive is posted) to prove the plans cannot deadlock, that
-every channel's sends and receives match one for one in order, that every F, B and W runs once
+:func:`simulate` executes every rank's plan (:mod:`.plan`) -- receives block until their send is
+posted, sends complete in the background (``comm="eager"``), or a COMM also waits for its sends'
+receives (``"rendezvous"``: one coalesced batch waited whole), or first NCCL's stream model of
+the communicator's posting (``"nccl"``, :mod:`.streams`) -- to prove the plans cannot deadlock,
+that every channel's sends and receives match one for one in order, that every F, B and W runs once
 (B after its F, W after its B), and to count idle time and live activations.  A hand-over
 inside a rank (``peer`` = the rank itself: the turn of the V) completes at once; its receive
 needs the send posted before or in the same COMM.

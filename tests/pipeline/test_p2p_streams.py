@@ -20,8 +20,8 @@ def _plans(name, pp, m, vp=None, forward_only=False):
 
 
 def _grid():
-    for pp in (2, 4, 8):
-        for m in sorted({1, pp, 2 * pp, pp + 1} if pp < 8 else {pp, 2 * pp}):
+    for pp in (2, 3, 4, 5, 8):
+        for m in sorted({1, pp, 2 * pp, 3 * pp, pp + 1} if pp < 5 else {pp, 2 * pp}):
             for name, vp in list(VP.items()) + [("interleaved-zb", 3), ("interleaved-1f1b", 3)]:
                 if name == "interleaved-1f1b" and m % pp or name == "dualpipev" and m < 2 * pp:
                     continue
@@ -43,7 +43,7 @@ def test_each_rank_uses_one_channel_per_class(pp):
 
 
 def test_communicator_posting_is_deadlock_free_for_every_schedule():
-    """PP 2/4/8, M from 1 to 3 PP, training and forward-only: the posting the communicator runs
+    """PP 2/3/4/5/8, M from 1 to 3 PP, training and forward-only: the posting the communicator runs
     (on NCCL and gloo alike) never deadlocks, and its timing equals the eager model's."""
     n = 0
     for name, pp, vp, m in _grid():
