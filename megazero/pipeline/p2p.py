@@ -60,6 +60,8 @@ def channel_groups(topo) -> tuple:
     ranks, with the backend and timeout of the topology's groups), created on first use -- a
     collective: every rank's first communicator is built at the same point of the run -- and kept
     in ``topo.groups`` for the topology's later runners."""
+    if not topo.groups:
+        raise RuntimeError("process groups not created; call Topology.create_groups() first")
     if GROUPS_KEY not in topo.groups:
         options = getattr(topo, "group_options", {})
         topo.groups[GROUPS_KEY] = tuple(dist.new_group(**options) for _ in range(channel_classes(topo.pp)))
