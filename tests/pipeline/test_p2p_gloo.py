@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import torch
 
 from megazero.parallel.topology import Topology
@@ -68,3 +70,10 @@ def test_every_schedule_on_the_nccl_posting_pp4():
 
 def test_every_schedule_on_the_nccl_posting_pp3_odd():
     _check(launch(_schedules, 3, 6, timeout_s=60, collective_timeout_s=10), 3)
+
+
+def test_communicator_needs_the_topology_groups():
+    from megazero.pipeline import P2PCommunicator
+    with pytest.raises(RuntimeError, match="process groups not created"):
+        P2PCommunicator(Topology(4, 0, pp=4), (4, 2, 8), torch.float32, "cpu")
+    assert P2PCommunicator(Topology(1, 0), (4, 2, 8), torch.float32, "cpu").groups == ()
