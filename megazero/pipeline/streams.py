@@ -20,8 +20,9 @@ Postings (``units`` below), for a plan's COMM (sends of the step before, receive
   Megatron's (p2p_communication.py ``_batched_p2p_ops`` + ``wait_on_reqs``).  Safe for 1F1B,
   interleaved 1F1B and ZB-H1; deadlocks ``interleaved-zb``, ``zbv`` and ``dualpipev``.
 * ``"pairs"`` -- single ops on one group per pair: both directions share a stream; deadlocks
-  even 1F1B (both neighbours send first).  (Two streams per rank -- sends and receives, or
-  up and down the pipeline -- still deadlock ``interleaved-zb``; only one per channel is safe.)
+  even 1F1B (both neighbours send first).  ``"send-recv"`` / ``"up-down"`` -- two streams per
+  rank, one for its sends and one for its receives, or one per direction along the pipeline:
+  still deadlock ``interleaved-zb`` (and, up-down, ``zbv``) from PP 4; only one per channel is safe.
 * ``"channels"`` -- what :class:`~.p2p.P2PCommunicator` posts: single ops, the channel ``src ->
   dst`` on communicator :func:`channel_class`, of which each rank uses at most one per class, so
   that every stream -- under either rule above -- carries one channel in one direction, in
@@ -36,7 +37,7 @@ Postings (``units`` below), for a plan's COMM (sends of the step before, receive
 
 from __future__ import annotations
 
-POSTINGS = ("channels", "coalesced", "pairs")
+POSTINGS = ("channels", "coalesced", "pairs", "send-recv", "up-down")
 
 
 def channel_classes(pp: int) -> int:
@@ -75,8 +76,12 @@ def units(rank: int, ops, posting: str, pp: int) -> list[tuple[object, list[int]
     for j in order:
         op = ops[j]
         src, dst = (rank, op.peer) if op.op == "send" else (op.peer, rank)
-        stream = ("pair", min(src, dst), max(src, dst)) if posting == "pairs" else \
-            ("class", channel_class(pp, src, dst))
+        if posting == "channels":
+            stream = ("class", channel_class(pp, src, dst))
+        elif posting == "pairs":
+            stream = ("pair", min(src, dst), max(src, dst))
+        else:
+            stream = (posting, op.op if posting == "send-recv" else src < dst)
         out.append((stream, [j], op.op == "recv"))
     return out
 

@@ -86,13 +86,19 @@ def test_old_coalesced_posting_deadlocks_zero_bubble_plans():
 
 def test_shared_streams_deadlock():
     """Single ops with both directions of a pair on one stream deadlock even 1F1B; a CPU that
-    waits for a channel's previous send before posting the next deadlocks the V schedules."""
+    waits for a channel's previous send before posting the next deadlocks the zero-bubble plans;
+    two streams per rank (sends / receives, or up / down) deadlock interleaved ZB (and ZBV)."""
     with pytest.raises(RuntimeError, match="deadlock under pairs"):
         check_streams(_plans("1f1b", 2, 4), "pairs")
     for name in ZERO_BUBBLE:
         with pytest.raises(RuntimeError, match=r"deadlock under channels \(strict\)"):
             check_streams(_plans(name, 4, 8), "channels", strict=True)
     check_streams(_plans("1f1b", 4, 8), "channels", strict=True)
+    for posting, names in (("send-recv", ["interleaved-zb"]), ("up-down", ["interleaved-zb", "zbv"])):
+        for name in names:
+            with pytest.raises(RuntimeError, match=f"deadlock under {posting}"):
+                check_streams(_plans(name, 4, 8), posting)
+        check_streams(_plans("1f1b", 4, 8), posting)
 
 
 def test_units_and_errors():
