@@ -6,6 +6,7 @@ equals one process under a short collective timeout, on a backend whose sends --
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -16,6 +17,7 @@ from megazero.pipeline.streams import channel_classes
 
 from .toy import launch, reference, rel_err, toy_batches, toy_chunks, toy_step
 
+TIMEOUT = timedelta(seconds=10)  # every group's, the channel classes' too: a hang fails fast
 SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "interleaved-zb": 2, "zbv": 2, "dualpipev": 2}
 
 
@@ -40,7 +42,7 @@ def _schedules(rank, world, m):
     from megazero.pipeline import PipelineRunner
     out = {}
     for schedule, vp in SCHEDULES.items():
-        topo = Topology(world, rank, pp=world, vp=vp, pipeline_schedule=schedule).create_groups()
+        topo = Topology(world, rank, pp=world, vp=vp, pipeline_schedule=schedule).create_groups(timeout=TIMEOUT)
         batches = toy_batches(m, 2, 4, 16, seed=5)
         ref_losses, ref_grads = reference(16, 8, 24, False, batches)
         chunks = toy_chunks(16, 8, 24, world, vp, topo.pp_rank, False, placement=chunk_placement(schedule))
