@@ -75,6 +75,7 @@ class Topology:
     pipeline_schedule: str | None = None  # megazero.pipeline.SCHEDULES name; None: 1f1b / interleaved-1f1b
     groups: dict = field(default_factory=dict, repr=False)  # kind -> ProcessGroup of this rank
     rank_lists: dict = field(default_factory=dict, repr=False)  # kind -> this rank's group ranks
+    group_options: dict = field(default_factory=dict, repr=False)  # create_groups' backend/timeout, for later groups
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -182,6 +183,7 @@ class Topology:
             raise RuntimeError("torch.distributed is not initialized")
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology world size {self.world_size} != process group world size {dist.get_world_size()}")
+        self.group_options = {"backend": backend, "timeout": timeout}
         for kind, lists in layout(self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp).items():
             seen = set()
             for ranks in lists:

@@ -1,18 +1,42 @@
 """Point-to-point exchange of activations and gradients between neighbouring pipeline stages.
 
-Every exchange of a schedule step is one ``torch.distributed.batch_isend_irecv`` call on the
-pipeline-parallel group whose receives are waited on before the next compute; its sends complete
-in the background and are waited on at the end of the step (a zero-bubble plan may send before
-the peer posts the matching receive, as ``torch.distributed.pipelining`` does; works on NCCL and
-on gloo: checked with torch 2.13, so no fallback path exists).  Shapes and dtype are fixed by the arguments --
-``[s, b, h]``, or ``[s / TP, b, h]`` with sequence parallelism (:func:`pipeline_tensor_shape`)
--- so receives are allocated up front and no shape handshake is ever sent.
+One posting for every schedule and every backend (so the gloo suite runs what NCCL runs):
 
-Peers are pipeline ranks; the previous/next stage wraps round (``(r +- 1) % PP``), which is
-how chunk ``c`` of the last rank feeds chunk ``c + 1`` of the first rank with virtual stages.
-The i-th message on a (sender, receiver) channel is matched with the i-th receive posted for it
-(the plans guarantee the two orders agree; see ``plan.simulate``).  Volume per micro-batch and
-virtual-stage boundary: ``s b h / (TP if SP else 1)`` elements each way.
+* every message is a single ``torch.distributed.isend`` / ``irecv`` -- never a coalesced
+  ``batch_isend_irecv`` -- on the communicator of its channel's class
+  (:func:`.streams.channel_class`: 2, 4 or 6 groups over all ranks, made once per topology by
+  :func:`channel_groups`), so that each rank's NCCL stream of a group carries one channel, one
+  direction, in order -- whether torch runs single ops on the group's communicator (a default
+  group bound to a device, as the launcher makes it) or on a two-rank one per pair (see
+  :mod:`.streams`); Megatron gives one direction of a two-rank pipeline its own communicator for
+  the same reason (megatron-core 0.16.1 pipeline_parallel/p2p_communication.py ``_p2p_ops``,
+  lines 64-76, ``WORLD`` "to allow the overlap of the independent communications");
+* an exchange posts its sends, then its receives, and waits for the receives only; the sends
+  complete in the background and are waited for when the step ends (:meth:`finish_sends`), as
+  ``torch.distributed.pipelining``'s runtime does for its zero-bubble schedules (torch 2.13
+  pipelining/schedules.py: ``_PipelineScheduleRuntime._step_microbatches`` keeps ``send_ops``
+  and waits them after the last action, lines 2440-2472 and 2654-2655; its ``_batch_p2p``, lines
+  623-648, posts all-send or all-receive batches as single ops, uncoalesced);
+* the first exchange sends one tiny message on each of the rank's channels, class by class, so
+  no lazily created NCCL communicator blocks a rank's CPU in the middle of a step.
+
+Why not Megatron's 1F1B pairing (``send_forward_recv_backward``: the step's send and receive in
+one ``batch_isend_irecv``, waited whole): a coalesced batch is one NCCL group that completes only
+when all its ops are matched, and the groups of a rank queue on one stream; the zero-bubble plans
+send before their peer posts the matching receive and deadlock so (``interleaved-zb``, ``zbv``,
+``dualpipev``), while single ops on a shared pair stream deadlock even 1F1B (both neighbours send
+first), and so do two streams per rank (sends and receives, or up and down the pipeline: ZB).
+:func:`.streams.check_streams` shows all of it on the plans, and that this posting is
+deadlock-free for every schedule (``check_plans`` runs it before every run); gloo sends also
+complete only when received, so the gloo tests run the same waits.
+
+Shapes and dtype are fixed by the arguments -- ``[s, b, h]``, or ``[s / TP, b, h]`` with sequence
+parallelism (:func:`pipeline_tensor_shape`) -- so receives are allocated up front and no shape
+handshake is ever sent.  Peers are pipeline ranks; the previous/next stage wraps round
+(``(r +- 1) % PP``), which is how chunk ``c`` of the last rank feeds chunk ``c + 1`` of the first
+rank with virtual stages.  The i-th message on a channel is matched with the i-th receive posted
+for it (the plans guarantee the two orders agree; see ``plan.simulate``).  Volume per
+micro-batch and virtual-stage boundary: ``s b h / (TP if SP else 1)`` elements each way.
 """
 
 from __future__ import annotations
@@ -22,9 +46,26 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .streams import channel_class, channel_classes
+
+GROUPS_KEY = "pp_channels"  # topo.groups entry holding the channel classes' process groups
+
 
 class PipelineCommError(RuntimeError):
     """A point-to-point exchange failed or timed out; the message names the peers involved."""
+
+
+def channel_groups(topo) -> tuple:
+    """The process groups of the channel classes (``channel_classes(PP)`` of them, each over all
+    ranks, with the backend and timeout of the topology's groups), created on first use -- a
+    collective: every rank's first communicator is built at the same point of the run -- and kept
+    in ``topo.groups`` for the topology's later runners."""
+    if not topo.groups:
+        raise RuntimeError("process groups not created; call Topology.create_groups() first")
+    if GROUPS_KEY not in topo.groups:
+        options = getattr(topo, "group_options", {})
+        topo.groups[GROUPS_KEY] = tuple(dist.new_group(**options) for _ in range(channel_classes(topo.pp)))
+    return topo.groups[GROUPS_KEY]
 
 
 class P2PCommunicator:
@@ -35,42 +76,63 @@ class P2PCommunicator:
         self.shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.group = topo.pp_group if topo.pp > 1 else None
         self.ranks = topo.rank_lists["pp"]
+        self.groups = channel_groups(topo) if topo.pp > 1 else ()
         self._sent = []  # [(send work, the tensor it reads)] not yet seen complete
+        self._connected = False
+
+    def _group(self, src: int, dst: int):
+        return self.groups[channel_class(self.topo.pp, src, dst)]
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[int]) -> list[torch.Tensor]:
-        """Post every send ``(tensor, peer pipeline rank)`` and one receive per peer in ``recvs``
-        as one batch, wait for the receives, and return the received tensors in ``recvs`` order.
-        The sends complete in the background (a zero-bubble plan may send before its peer posts
-        the receive: ``plan.simulate``'s model): each is kept, with the storage it reads, until
-        :meth:`finish_sends` (or a later exchange) sees it done. A backend that coalesces the
-        batch into one work (NCCL) is waited for whole, sends included (1F1B's pairing needs
-        them in one batch); the zero-bubble plans are untested there (no GPU in these runs)."""
+        """Post every send ``(tensor, peer pipeline rank)``, then one receive per peer in
+        ``recvs``, each a single op on its channel's communicator; wait for the receives and
+        return the received tensors in ``recvs`` order.  The sends complete in the background
+        (a zero-bubble plan may send before its peer posts the receive): each is kept, with the
+        storage it reads, until :meth:`finish_sends` (or a later exchange) sees it done."""
         out = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
-        ops = []
-        for tensor, peer in sends:
+        for tensor, _ in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise ValueError(f"pipeline rank {self.topo.pp_rank}: sending {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {self.shape} {self.dtype} (--seq-length/--micro-batch-size/--hidden-size)")
-            # an alias: the caller may swap the sent tensor's storage out, the alias keeps it
-            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), peer=self.ranks[peer], group=self.group))
-        for buf, peer in zip(out, recvs):
-            ops.append(dist.P2POp(dist.irecv, buf, peer=self.ranks[peer], group=self.group))
         self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
-        if not ops:
+        if not sends and not recvs:
             return out
+        me = self.topo.pp_rank
         peers = sorted({self.ranks[p] for _, p in sends} | {self.ranks[p] for p in recvs})
         with self._named(peers):
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # a coalescing backend (NCCL): one work for the batch
-                for work in works:
-                    work.wait()
-                return out
-            self._sent += [(w, op.tensor) for w, op in zip(works, ops) if op.op is dist.isend]
-            for work in works[len(sends):]:
+            if not self._connected:
+                self._connect()
+            for tensor, peer in sends:
+                # an alias: the caller may swap the sent tensor's storage out, the alias keeps it
+                t = tensor.detach().contiguous()
+                self._sent.append((dist.isend(t, dst=self.ranks[peer], group=self._group(me, peer)), t))
+            works = [dist.irecv(buf, src=self.ranks[peer], group=self._group(peer, me))
+                     for buf, peer in zip(out, recvs)]
+            for work in works:
                 work.wait()
         return out
+
+    def _connect(self) -> None:
+        """One message on each of this rank's channels (to and from ``(r +- 1) % PP``), class by
+        class: each channel's communicator exists afterwards (NCCL makes a lazy one at a pair's
+        first op, blocking both CPUs until both arrive), and the lowest class with a rank still
+        at it has both ends of its channel there, so this cannot block."""
+        me, pp = self.topo.pp_rank, self.topo.pp
+        chans = {(me, n) for n in ((me - 1) % pp, (me + 1) % pp) if n != me}
+        chans |= {(n, me) for _, n in chans}
+        for src, dst in sorted(chans, key=lambda c: channel_class(pp, *c)):
+            buf = torch.zeros(1, dtype=self.dtype, device=self.device)
+            if src == me:
+                dist.isend(buf, dst=self.ranks[dst], group=self._group(src, dst)).wait()
+            else:
+                dist.irecv(buf, src=self.ranks[src], group=self._group(src, dst)).wait()
+        self._connected = True
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Sends posted and not yet waited for (0 after :meth:`finish_sends`)."""
+        return len(self._sent)
 
     def finish_sends(self) -> None:
         """Wait for every send still in flight (the end of a step)."""

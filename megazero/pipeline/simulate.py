@@ -1,8 +1,10 @@
 """The deadlock simulator: all ranks' plans run together, in simulated time, without processes.
 
-:func:`simulate` executes every rank's plan (:mod:`.plan`) with blocking rendezvous semantics
-(a send completes only when its receive is posted) to prove the plans cannot deadlock, that
-every channel's sends and receives match one for one in order, that every F, B and W runs once
+:func:`simulate` executes every rank's plan (:mod:`.plan`) -- receives block until their send is
+posted, sends complete in the background (``comm="eager"``), or a COMM also waits for its sends'
+receives (``"rendezvous"``: one coalesced batch waited whole), or first NCCL's stream model of
+the communicator's posting (``"nccl"``, :mod:`.streams`) -- to prove the plans cannot deadlock,
+that every channel's sends and receives match one for one in order, that every F, B and W runs once
 (B after its F, W after its B), and to count idle time and live activations.  A hand-over
 inside a rank (``peer`` = the rank itself: the turn of the V) completes at once; its receive
 needs the send posted before or in the same COMM.
@@ -10,23 +12,7 @@ needs the send posted before or in the same COMM.
 
 from __future__ import annotations
 
-
-def _channel_positions(plans) -> dict[tuple, int]:
-    """``{(rank, action index, op index): position of the op in its channel's order}``, after
-    checking that every channel ``src -> dst`` receives exactly the keys it sends, in order."""
-    chan: dict[tuple, dict[str, list]] = {}
-    pos: dict[tuple, int] = {}
-    for r, plan in enumerate(plans):
-        for i, a in enumerate(plan):
-            for j, op in enumerate(a.ops):
-                ch = (r, op.peer) if op.op == "send" else (op.peer, r)
-                seq = chan.setdefault(ch, {"send": [], "recv": []})[op.op]
-                pos[(r, i, j)] = len(seq)
-                seq.append(op.key)
-    for ch, seqs in chan.items():
-        if seqs["send"] != seqs["recv"]:
-            raise RuntimeError(f"channel r{ch[0]}->r{ch[1]}: sends {seqs['send']} != receives {seqs['recv']}")
-    return pos
+from .streams import channel_positions, check_streams
 
 
 class _Rank:
@@ -79,8 +65,18 @@ def _try_comm(r, st, a, pos, posted, rendezvous) -> bool:
     return True
 
 
-def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendezvous: bool = False) -> dict:
+COMMS = ("eager", "rendezvous", "nccl")
+
+
+def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendezvous: bool = False,
+             comm: str = "eager") -> dict:
     """Run every rank's plan in lock-free lockstep; raise ``RuntimeError`` on any defect.
+
+    ``comm`` (one of :data:`COMMS`): ``"eager"`` the semantics below; ``"rendezvous"`` (or
+    ``rendezvous=True``) a COMM also waits for its sends' receives -- one coalesced
+    ``batch_isend_irecv`` waited whole, the old NCCL path; ``"nccl"`` first runs the plans under
+    NCCL's stream model with the communicator's posting (:func:`.streams.check_streams`,
+    ``"channels"``), then times them as ``"eager"`` (the two agree: each stream is one channel).
 
     Semantics (the runner's): a rank's COMM posts all its ops at once and blocks until each of
     its *receives* has completed; a receive completes when its counterpart send (same channel
@@ -98,8 +94,13 @@ def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendez
     ``max_in_flight`` counts chunk-activations (F done, W -- or unsplit B -- not yet), ``bubble``
     is the idle share of the step, ``sum(idle) / (ranks x makespan)``.
     """
+    if comm not in COMMS:
+        raise ValueError(f"unknown comm model {comm!r}; choose one of {', '.join(COMMS)}")
+    rendezvous = rendezvous or comm == "rendezvous"
     pp = len(plans)
-    pos = _channel_positions(plans)
+    pos = channel_positions(plans)
+    if comm == "nccl":
+        check_streams(plans, "channels")
     posted: dict[tuple, float] = {}  # (channel, op, position) -> post time
     ranks = [_Rank(p) for p in plans]
     while True:
