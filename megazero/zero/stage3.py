@@ -97,7 +97,7 @@ class ParamGatherer:
         self.handles = []
         for (module, _, _, root), unit in zip(units, self.units):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
-            self.handles.append(module.register_forward_hook(self._post_forward(unit)))
+            self.handles.append(module.register_forward_hook(self._post_forward(unit), always_call=True))
             end = getattr(module, "root_backward_reads_end", None) if root else None
             boundary = end() if end is not None else (None if root else module)
             if boundary is not None:
@@ -117,6 +117,9 @@ class ParamGatherer:
         return hook
 
     def _post_forward(self, unit):
+        """Also called when the forward raised (``always_call``): a recomputing checkpoint stops
+        a layer's forward by an exception once it has what the backward saved (PyTorch's early
+        stop), and an uncounted ``in_fwd`` kept the unit gathered until the step's end."""
         def hook(module, args, output):
             unit.in_fwd -= 1
             if torch.is_grad_enabled():

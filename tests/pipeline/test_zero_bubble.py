@@ -150,10 +150,17 @@ def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
 @pytest.mark.parametrize("schedule", list(VP))
 def test_pp2_pp4_tp2_zero123_recompute(schedule):
     """PP 2 x DP 2 (ZeRO 1, GPT-2), PP 2 x TP 2 + SP (ZeRO 2, recompute), PP 4 (ZeRO 2),
-    PP 2 x DP 2 at ZeRO 3 (exact; a layer unit stays gathered from its B to its W)."""
+    PP 2 x DP 2 at ZeRO 3 (a unit is released at the end of its B; W runs on the shards)."""
     _check(4, [(dict(pp=2), schedule, 1, GPT2),
                (dict(pp=2, tp=2), schedule, 2, dict(sequence_parallel=True, **RECOMPUTE)),
                (dict(pp=4), schedule, 2, {}), (dict(pp=2), schedule, 3, {})])
+
+
+def test_zero3_zbv_tp2_sp_recompute_and_moe():
+    """ZeRO 3, where W runs on released parameters: zbv with TP 2 + SP and recompute over DP 2
+    (8 ranks), zb-h1 with MoE (4 experts, EP 2: expert units inside layer units)."""
+    _check(8, [(dict(pp=2, tp=2), "zbv", 3, dict(sequence_parallel=True, **RECOMPUTE)),
+               (dict(pp=2, ep=2), "zb-h1", 3, MOE)])
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
