@@ -25,7 +25,7 @@ CFG = dict(num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups
            position_embedding_type="rope", swiglu=True, normalization="RMSNorm", add_bias_linear=False,
            untie_embeddings_and_output_weights=True, params_dtype=torch.float32)
 VOCAB = 512
-VP = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
+VP = {"1f1b": 1, "zb-h1": 1, "zbv": 2, "interleaved-zb": 2, "dualpipev": 2}
 
 
 def _root_plus_layer(units) -> int:
@@ -68,7 +68,7 @@ def main() -> None:
     from megazero.testing import run_distributed
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--schedules", nargs="+", default=list(VP), choices=list(VP))
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1", "zbv"], choices=list(VP))
     p.add_argument("--prefetch", type=int, default=0, help="ZeRO-3 prefetch bucket (elements)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()

@@ -3,10 +3,11 @@ its B (its inputs have their gradients), and the plan's W, which computes ``dW =
 saved input and output gradient, runs on the released (sharded) parameters; its gradients still
 reach the regions' hooks, which reduce them, at W. Counted on the gatherer's bookkeeping (the
 gathered elements, ``ParamGatherer.live``) and on the regions' storage itself, per action, at
-PP 2 x DP 2 and PP 4: at no point does a rank hold more than its shards plus its chunk's root unit,
-the layer unit in use and the prefetched ones; after every B no layer unit is left gathered
-(without prefetch), while under the old release (when a unit's gradients were complete) every
-layer of a zb-h1 stage stayed gathered until its W. Exactness is tests/pipeline/test_zero_bubble.py's."""
+PP 2 x DP 2 and PP 4, under zb-h1, interleaved-zb, zbv and dualpipev: at no point does a rank
+hold more than its shards plus its chunk's root unit, the layer unit in use and the prefetched
+ones; after every B no layer unit is left gathered (without prefetch), while under the old
+release (when a unit's gradients were complete) every layer of a zb-h1 stage stayed gathered
+until its W. Exactness is tests/pipeline/test_zero_bubble.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from megazero.parallel.topology import Topology
 from .toy import launch
 
 SEQ, MB = 8, 2
-VP = {"1f1b": 1, "zb-h1": 1, "zbv": 2}
+VP = {"1f1b": 1, "zb-h1": 1, "zbv": 2, "interleaved-zb": 2, "dualpipev": 2}
 CFG = dict(num_layers=8, hidden_size=16, num_attention_heads=4, num_query_groups=2, seq_length=SEQ,
            max_position_embeddings=SEQ, attention_dropout=0.0, hidden_dropout=0.0, make_vocab_size_divisible_by=4,
            position_embedding_type="rope", swiglu=True, normalization="RMSNorm", add_bias_linear=False,
