@@ -2,7 +2,8 @@
 exactly as one process does: per-iteration losses and gradient norms within 1e-5 (fp32) and the
 final weights within 1e-4, through ModelStages, PipelineRunner and ZeroOptimizer as training
 builds them, at PP 2 and 4, with TP 2 (+SP), ZeRO 1, 2 and 3 (W on released units), MoE at EP 2,
-CP 2 and recompute; bf16 within the bf16 tolerance. ZeRO's gradient hooks fire for a deferred weight at its W only."""
+CP 2 and recompute; bf16 within the bf16 tolerance. ZeRO's gradient hooks fire for a deferred
+weight at its W only."""
 
 from __future__ import annotations
 
