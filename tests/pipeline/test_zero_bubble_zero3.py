@@ -32,8 +32,8 @@ EXTRA = {"": {}, "recompute": dict(recompute_granularity="full", recompute_metho
 
 def _batches(m, dp_rank):
     g = torch.Generator().manual_seed(11 + dp_rank)
-    return [{"tokens": torch.randint(0, 40, (MB, SEQ), generator=g), "labels": torch.randint(0, 40, (MB, SEQ), generator=g)}
-            for _ in range(m)]
+    ids = lambda: torch.randint(0, 40, (MB, SEQ), generator=g)  # noqa: E731
+    return [{"tokens": ids(), "labels": ids()} for _ in range(m)]
 
 
 class _Probe:
@@ -109,7 +109,10 @@ def measured():
     return launch(_peaks, 4, CASES, timeout_s=240)
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"pp{c[0]}-{c[1]}-prefetch{c[2]}{'-' * bool(c[3])}{c[3]}" for c in CASES])
+NAMES = [f"pp{pp}-{s}-prefetch{p}" + (f"-{x}" if x else "") for pp, s, p, x in CASES]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=NAMES)
 def test_gathered_parameters_bounded_as_under_1f1b(measured, i):
     """Dense: the bound of :func:`_bound`; MoE (an expert unit in use inside its layer's) and
     recompute: zb-h1 as 1F1B. Without prefetch, nothing of a layer is left gathered after B or W."""
