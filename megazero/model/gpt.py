@@ -246,12 +246,14 @@ class GPTModel(nn.Module):
     def root_backward_reads_end(self) -> nn.Module | None:
         """For ZeRO-3 (:class:`~megazero.zero.stage3.ParamGatherer`): the module after whose
         backward -- once its input's gradient exists -- this chunk's backward reads no parameter
-        outside its transformer layers: the final norm, when the chunk has both ends. Backward
-        reads the output layer's ``W`` (``dX = G W``) and the norm's weights, but the embeddings'
-        backward only adds rows (``dW[ids] += G``, ``dW_pos[pos] += G``) and reads no weight.
-        None where the chunk lacks either end (its root parameters' gradients complete without
-        the embedding's, or the embedding is all there is)."""
-        return self.final_norm if self.pre_process and self.post_process else None
+        outside its transformer layers: the final norm, when the chunk has the last stage.
+        Backward reads the output layer's ``W`` (``dX = G W``) and the norm's weights, but the
+        embeddings' backward only adds rows (``dW[ids] += G``, ``dW_pos[pos] += G``) and reads
+        no weight: so on a first stage without the last it is the embedding (its input, token
+        ids, has no gradient: its output's gradient marks the point). None on a middle stage."""
+        if self.post_process:
+            return self.final_norm
+        return self.embedding if self.pre_process else None
 
     def tp_duplicated_parameters(self) -> list[nn.Parameter]:
         """Parameters replicated (not split) over the TP group: norms, row-parallel biases,

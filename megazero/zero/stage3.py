@@ -4,8 +4,12 @@ A unit is a module whose parameters are gathered with one coalesced all-gather (
 DP).  Default units (:func:`find_units`): every child of an ``nn.ModuleList``/``ModuleDict`` (a
 transformer layer), plus one unit on the chunk root for everything else (embedding, final norm,
 head), which therefore stays gathered through the chunk's forward and, in backward, until the
-chunk's ``root_backward_reads_end()`` module (GPT: the final norm) has its input's gradient, when
-that method exists (the embeddings' backward reads no weight), else until its gradients are done.
+chunk's ``root_backward_reads_end()`` module (GPT: the final norm, or a first stage's embedding)
+has its input's gradient (the embedding: its output's), when that method exists (the embeddings'
+backward reads no weight), else until its gradients are done. A layer unit is released in
+backward once its inputs have their gradients (:mod:`.read_ends`): at the end of its ``B`` also
+when a zero-bubble plan's ``W`` computes its weight gradients later (``W`` reads no weight: its
+gradients still reach the region's hooks, which reduce them, at ``W``).
 
 Per micro-batch a unit is gathered before its forward (forward pre-hook) and again before its
 backward (hook on its outputs' gradients), and released after each, so one step with M
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from .collectives import Pending
+from .read_ends import hook_inputs, hook_outputs, tensors_of
 
 
 def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
@@ -62,12 +67,12 @@ def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
 
 
 class _Unit:
-    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "ended", "pending", "stamp")
+    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "hooked", "pending", "stamp")
 
     def __init__(self, index, chunk, region, root):
         self.index, self.chunk, self.region, self.root = index, chunk, region, root
         self.in_fwd = self.in_bwd = 0
-        self.ended = 0  # backwards whose parameter reads ended before the gradients were complete
+        self.hooked = False  # its backward's end is a gradient hook's (read_ends), not its gradients'
         self.pending: Pending | None = None
         self.stamp = 0
 
@@ -92,11 +97,13 @@ class ParamGatherer:
         self.handles = []
         for (module, _, _, root), unit in zip(units, self.units):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
-            self.handles.append(module.register_forward_hook(self._post_forward(unit)))
+            self.handles.append(module.register_forward_hook(self._post_forward(unit), always_call=True))
             end = getattr(module, "root_backward_reads_end", None) if root else None
-            boundary = end() if end is not None else None
+            boundary = end() if end is not None else (None if root else module)
             if boundary is not None:
-                self.handles.append(boundary.register_forward_pre_hook(self._end_of_reads(unit)))
+                self.handles.append(boundary.register_forward_pre_hook(self._end_of_reads(unit), with_kwargs=True))
+            if boundary is not None and root:
+                self.handles.append(boundary.register_forward_hook(self._end_of_reads_after(unit)))
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit):
@@ -110,6 +117,9 @@ class ParamGatherer:
         return hook
 
     def _post_forward(self, unit):
+        """Also called when the forward raised (``always_call``): a recomputing checkpoint stops
+        a layer's forward by an exception once it has what the backward saved (PyTorch's early
+        stop), and an uncounted ``in_fwd`` kept the unit gathered until the step's end."""
         def hook(module, args, output):
             unit.in_fwd -= 1
             if torch.is_grad_enabled():
@@ -121,44 +131,43 @@ class ParamGatherer:
                         self.fetch(unit)
                         unit.in_bwd += 1
                         self._prefetch_from(unit, -1)
-                for t in _tensors(output):
+                for t in tensors_of(output):
                     if t.requires_grad:
                         t.register_hook(on_grad)
             self._maybe_release(unit, self._distance(unit, after_forward=True))
         return hook
 
     def _end_of_reads(self, unit):
-        """A root unit's early end of backward: a forward pre-hook on the module the chunk names
-        (``root_backward_reads_end()``, GPT: the final norm) that hooks the gradient of its
-        input. Once that gradient exists, the rest of the chunk's backward reads none of the
-        root's parameters (the embedding's backward is ``dW[ids] += G``), so the unit is released
-        then, not when its last gradient (the tied embedding's) arrives: during the layers'
-        backward the vocabulary matrix is not held (ZeRO-3, DP 2, 152M: 0.1 GB less at the step's
-        peak). Nothing is gathered more often: the count of all-gathers stays 2 per micro-batch."""
-        def on_grad(grad):
-            unit.ended += 1
-            self._end_backward(unit)
+        """The end of a unit's backward reads (:mod:`.read_ends`): a forward pre-hook on the unit's
+        module (a layer), or on the module the chunk names for its root unit
+        (``root_backward_reads_end()``, GPT: the final norm), that hooks the gradients of its
+        inputs. Once they exist, that backward reads none of the unit's parameters: a layer's
+        backward is over, and the rest of the chunk's backward reads none of the root's (the
+        embedding's backward is ``dW[ids] += G``), so the unit is released then, not when its
+        last gradient arrives (the tied embedding's; a deferred weight's, at the plan's ``W``):
+        during the layers' backward the vocabulary matrix is not held (ZeRO-3, DP 2, 152M: 0.1 GB
+        less at the step's peak), and under a zero-bubble plan no layer stays gathered from its
+        ``B`` to its ``W``. Nothing is gathered more often: 2 all-gathers per micro-batch."""
+        def hook(module, args, kwargs):
+            hooked = hook_inputs(args, kwargs, lambda: self._end_backward(unit))
+            unit.hooked = unit.hooked or hooked is not None
+            return hooked
+        return hook
 
-        def hook(module, args):
-            if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor) \
-                    or not args[0].requires_grad:
-                return None
-            # a view (no copy) of the input: its gradient arrives just before the input's, so the
-            # unit is released before the hooks on the input (the next unit's gather) run
-            x = args[0].view_as(args[0])
-            x.register_hook(on_grad)
-            return (x,) + tuple(args[1:])
+    def _end_of_reads_after(self, unit):
+        """The same on the named module's outputs when its inputs need no gradient (a first
+        stage's embedding, whose input is token ids and whose backward reads no weight)."""
+        def hook(module, args, output):
+            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                unit.hooked = hook_outputs(output, lambda: self._end_backward(unit)) or unit.hooked
         return hook
 
     def backward_done(self, region) -> None:
-        """The optimizer saw the unit's round complete: all its gradients for this micro-batch."""
+        """The optimizer saw the unit's round complete: all its gradients for this micro-batch.
+        The end of the backward for a unit without a gradient hook (:meth:`_end_of_reads`)."""
         unit = self.by_region.get(id(region))
-        if unit is None:
-            return
-        if unit.ended:  # its backward's reads ended earlier (_end_of_reads) and were counted there
-            unit.ended -= 1
-            return
-        self._end_backward(unit)
+        if unit is not None and not unit.hooked:
+            self._end_backward(unit)
 
     def _end_backward(self, unit) -> None:
         """One backward of ``unit`` no longer reads its parameters: release unless reused soon."""
@@ -242,7 +251,7 @@ class ParamGatherer:
         """Release everything (shards are about to change) and fix the execution order."""
         for u in self.units:
             self._release(u)
-            u.in_fwd = u.in_bwd = u.ended = 0
+            u.in_fwd = u.in_bwd = 0
         if self.order is None and self.seen:
             self.order = {}
             for i in self.seen:
@@ -287,13 +296,3 @@ class ParamGatherer:
         for h in self.handles:
             h.remove()
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)

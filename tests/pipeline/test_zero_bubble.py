@@ -1,8 +1,9 @@
 """Zero-bubble schedules (split backward: B = input gradients, W = weight gradients) train the GPT
 exactly as one process does: per-iteration losses and gradient norms within 1e-5 (fp32) and the
 final weights within 1e-4, through ModelStages, PipelineRunner and ZeroOptimizer as training
-builds them, at PP 2 and 4, with TP 2 (+SP), ZeRO 1 and 2, MoE at EP 2, CP 2 and recompute; bf16
-within the bf16 tolerance. ZeRO's gradient hooks fire for a deferred weight at its W only."""
+builds them, at PP 2 and 4, with TP 2 (+SP), ZeRO 1, 2 and 3 (W on released units), MoE at EP 2,
+CP 2 and recompute; bf16 within the bf16 tolerance. ZeRO's gradient hooks fire for a deferred
+weight at its W only."""
 
 from __future__ import annotations
 
@@ -156,10 +157,17 @@ def _check(world, cases, loss_tol=1e-5, weight_tol=1e-4):
 @pytest.mark.parametrize("schedule", list(VP))
 def test_pp2_pp4_tp2_zero123_recompute(schedule):
     """PP 2 x DP 2 (ZeRO 1, GPT-2), PP 2 x TP 2 + SP (ZeRO 2, recompute), PP 4 (ZeRO 2),
-    PP 2 x DP 2 at ZeRO 3 (exact; a layer unit stays gathered from its B to its W)."""
+    PP 2 x DP 2 at ZeRO 3 (a unit is released at the end of its B; W runs on the shards)."""
     _check(4, [(dict(pp=2), schedule, 1, GPT2),
                (dict(pp=2, tp=2), schedule, 2, dict(sequence_parallel=True, **RECOMPUTE)),
                (dict(pp=4), schedule, 2, {}), (dict(pp=2), schedule, 3, {})])
+
+
+def test_zero3_zbv_tp2_sp_recompute_and_moe():
+    """ZeRO 3, where W runs on released parameters: zbv with TP 2 + SP and recompute over DP 2
+    (8 ranks), zb-h1 with MoE (4 experts, EP 2: expert units inside layer units)."""
+    _check(8, [(dict(pp=2, tp=2), "zbv", 3, dict(sequence_parallel=True, **RECOMPUTE)),
+               (dict(pp=2, ep=2), "zb-h1", 3, MOE)])
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
@@ -169,10 +177,11 @@ def test_moe_ep2_and_cp2(schedule):
 
 
 def test_bf16_with_gradient_accumulation_fusion_tracks_fp32():
-    """Untied, and tied (both vocabulary uses fused into the one weight's fp32 gradient), and
-    tied in fp16 (constant loss scale 1024) with the fp32 masters."""
-    _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16)), (dict(pp=2), "zbv", 2, dict(GPT2, **BF16, **TIED))],
-           loss_tol=3e-2, weight_tol=3e-2)
+    """Untied and tied (both vocabulary uses fused into the one weight's fp32 gradient) zbv at
+    ZeRO 2; zb-h1 at ZeRO 3, where W's fused ``main_grad += G^T X`` meets released units; tied
+    dualpipev in fp16 (constant loss scale 1024) with the fp32 masters."""
+    _check(4, [(dict(pp=2), "zbv", 2, dict(GPT2, **BF16)), (dict(pp=2), "zbv", 2, dict(GPT2, **BF16, **TIED)),
+               (dict(pp=2), "zb-h1", 3, dict(GPT2, **BF16))], loss_tol=3e-2, weight_tol=3e-2)
     _check(4, [(dict(pp=2), "dualpipev", 1, dict(GPT2, params_dtype=torch.float16, **TIED))], loss_tol=1e-3,
            weight_tol=5e-3)  # fp16 weights: one ulp of a norm weight near 1 is 1e-3
 
