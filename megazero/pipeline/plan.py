@@ -43,9 +43,10 @@ Schedules (``M`` micro-batches, ``t_f``/``t_b`` the forward/backward time of a w
   chunk-activations (each ``1/VP`` of a stage's) are in flight.
 * **zero bubble** (``zb-h1``, ``interleaved-zb``, ``zbv``, ``dualpipev``): :mod:`.zero_bubble`.
 
-:func:`simulate` executes all ranks' plans together with blocking rendezvous semantics (a send
-completes only when its receive is posted) to prove the plans cannot deadlock, that every
-channel's sends and receives match one for one in order, and to count idle time.
+:func:`simulate` executes all ranks' plans together -- by default with the runner's semantics
+(receives waited, sends completing in the background); ``comm="rendezvous"`` or ``"nccl"`` for
+stricter models (:mod:`.streams`) -- to prove the plans cannot deadlock, that every channel's
+sends and receives match one for one in order, and to count idle time.
 """
 
 from __future__ import annotations
