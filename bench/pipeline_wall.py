@@ -1,7 +1,7 @@
 """Wall time per iteration of the zero-bubble schedules against 1F1B, on CPU/gloo, PP 4.
 
     PYTHONPATH=. .venv/bin/python bench/pipeline_wall.py [--rounds 7] [--steps 3] [--hidden 256]
-        [--seq 128] [--micro-batches 8] [--schedules zb-h1,zbv]
+        [--seq 128] [--micro-batches 8] [--schedules zb-h1,zbv] [--pace 4 8 [--pace-rounds 9]]
 
 Real compute: megazero's GPT (``gpt_stages``: TP/SP linears, attention, MLP, the embedding and
 the untied output layer), ``2 PP`` layers so every virtual stage of the V has one layer and
@@ -18,7 +18,14 @@ printed beside the measured ratio.
 
 Read with the host in mind: PP ranks on fewer cores share them, and a rank idle in 1F1B's bubble
 then gives its core to a busy one -- the bubble a zero-bubble schedule removes is partly not a
-loss on such a host, so the measured ratio stays above the simulator's.
+loss on such a host, so the measured ratio stays above the simulator's (with 4 ranks on 2 cores
+every schedule is CPU-bound: docs/benchmarks.md).
+
+``--pace K``: dedicated-device emulation (:class:`PacedTrace`): every F, B and W runs its real
+compute, then holds its rank to ``K x`` that action's calibrated compute time (:func:`_calibrate`,
+each rank alone), so the ranks never contend for cores; p2p and the runner's work between actions
+run at their real cost. Paired rounds as above, one step each, ``--pace-rounds`` per K; the
+simulator's ratio for the calibrated times is printed beside it.
 """
 
 from __future__ import annotations
