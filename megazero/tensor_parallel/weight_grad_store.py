@@ -25,9 +25,9 @@ the chunk's layers; the pipeline runner gets the list), does the bookkeeping:
 Memory: each deferred weight keeps ``X`` (already saved for the backward; with sequence
 parallelism the all-gathered ``X``, kept rather than gathered again at ``W``) and ``G`` from
 ``B`` until ``W``; ``W`` drops each weight's ``X`` and ``G`` as soon as its ``dW`` is computed
-(the next weight's ``dW`` can reuse that memory instead of fresh pages: on a CPU the allocator
-otherwise faults in new pages for every ``dW``, ~1/3 of the split's measured extra cost,
-docs/benchmarks.md). Outside :meth:`deferring` the layers run their ordinary backward.
+(the next weight's ``dW`` can reuse that memory instead of fresh pages: on a CPU, pages faulted
+in for each ``dW`` are a large part of the split's measured extra cost, docs/benchmarks.md).
+Outside :meth:`deferring` the layers run their ordinary backward.
 
 Megatron-core 0.16.1 has the same split as ``delay_wgrad_compute`` (model_parallel_config.py,
 Transformer Engine's ``backward_dw``); ``torch.distributed.pipelining`` (``_backward.py``:
