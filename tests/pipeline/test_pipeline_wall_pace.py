@@ -33,15 +33,15 @@ def test_paced_trace_holds_an_action_to_its_slot_and_counts_overruns():
 
 
 def test_paced_step_is_at_least_a_ranks_own_slots():
-    """PP 2, M 4, a tiny GPT: every rank's paced 1F1B step lasts at least K x the sum of its
+    """PP 2, M 4, a tiny GPT, K = 6: every rank's paced 1F1B step lasts at least K x the sum of its
     calibrated F and undivided B over the micro-batches; zb-h1 runs paced too."""
     from megazero.testing import run_distributed
     mod = _load()
     args = Namespace(micro_batches=4, micro_batch=1, hidden=64, seq=16, rounds=1, steps=1, schedules=["zb-h1"],
-                     pace=[2.0], pace_rounds=1)
+                     pace=[6.0], pace_rounds=1)
     results = run_distributed(mod._bench, 2, args, timeout_s=240)
     for out in results:
         cal = out["cal"]["1f1b"]
-        floor = 2.0 * 4 * (cal[("F", 0)] + cal[("B", 0)])
-        assert min(out[2.0][1]["1f1b"]) >= floor
-        assert set(out[("overruns", 2.0)]) == {"1f1b", "zb-h1"} and out[2.0][0]["zb-h1"][0] > 0
+        floor = 6.0 * 4 * (cal[("F", 0)] + cal[("B", 0)])
+        assert min(out[6.0][1]["1f1b"]) >= floor
+        assert set(out[("overruns", 6.0)]) == {"1f1b", "zb-h1"} and out[6.0][0]["zb-h1"][0] > 0
