@@ -1,7 +1,7 @@
 """Wall time per iteration of the zero-bubble schedules against 1F1B, on CPU/gloo, PP 4.
 
     PYTHONPATH=. .venv/bin/python bench/pipeline_wall.py [--rounds 7] [--steps 3] [--hidden 256]
-        [--seq 128] [--micro-batches 8] [--schedules zb-h1,zbv]
+        [--seq 128] [--micro-batches 8] [--schedules zb-h1,zbv] [--pace 4 8 [--pace-rounds 9]]
 
 Real compute: megazero's GPT (``gpt_stages``: TP/SP linears, attention, MLP, the embedding and
 the untied output layer), ``2 PP`` layers so every virtual stage of the V has one layer and
@@ -18,7 +18,14 @@ printed beside the measured ratio.
 
 Read with the host in mind: PP ranks on fewer cores share them, and a rank idle in 1F1B's bubble
 then gives its core to a busy one -- the bubble a zero-bubble schedule removes is partly not a
-loss on such a host, so the measured ratio stays above the simulator's.
+loss on such a host, so the measured ratio stays above the simulator's (with 4 ranks on 2 cores
+every schedule is CPU-bound: docs/benchmarks.md).
+
+``--pace K``: dedicated-device emulation (:class:`PacedTrace`): every F, B and W runs its real
+compute, then holds its rank to ``K x`` that action's calibrated compute time (:func:`_calibrate`,
+each rank alone), so the ranks never contend for cores; p2p and the runner's work between actions
+run at their real cost. Paired rounds as above, one step each, ``--pace-rounds`` per K; the
+simulator's ratio for the calibrated times is printed beside it.
 """
 
 from __future__ import annotations
@@ -27,15 +34,17 @@ import argparse
 import os
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from megazero.parallel.topology import Topology
-from megazero.pipeline import PipelineRunner, ScheduleTrace, build_plan, simulate
+from megazero.pipeline import PipelineRunner, ScheduleTrace, build_plan, simulate, split_backwards
 from megazero.testing import run_distributed
 
 VOCAB = 64
+SPIN_S = 0.0015  # PacedTrace: the end of a slot is waited for spinning
 
 
 def _config(hidden, seq, layers):
@@ -69,6 +78,8 @@ def _variant(world, rank, schedule, args):
         runner.run(stages.chunks, mbs, stages.forward_step, trace=trace, weight_grad_stores=stages.weight_grad_stores)
         dist.barrier()
         return time.perf_counter() - t0
+    step.stages, step.mb = stages, mbs[0]
+    step.split = split_backwards(runner.plans[(args.micro_batches, False)])
     return step
 
 
@@ -80,6 +91,95 @@ def _phase_times(trace) -> dict:
         if key is not None:
             spans[key].append(end - start)
     return {k: statistics.median(v) if v else 0.0 for k, v in spans.items()}
+
+
+def _calibrate(stages, mb, reps=7) -> dict:
+    """This rank's compute times alone (no p2p, no other rank running): ``{(kind, chunk): s}``,
+    the least of ``reps``; kinds ``F``/``B`` undivided, ``Fs``/``Bs``/``W`` with the store deferring
+    (B then input gradients only, W the weight gradients). A chunk's input is a random activation
+    (the tokens on the first virtual stage), its output gradient random (the loss on the last)."""
+    got = {}
+    for c, chunk in enumerate(stages.chunks):
+        store = stages.weight_grad_stores[c]
+        for i in range(reps + 1):
+            for split in (False, True):
+                x = None if getattr(chunk, "pre_process", False) else \
+                    torch.randn(stages.activation_shape, requires_grad=True)
+                ctx = (lambda: store.deferring(0)) if split else nullcontext
+                t0 = time.perf_counter()
+                with ctx():
+                    out = stages.forward_step(chunk, mb, x)
+                grad = None if out.dim() == 0 else torch.randn_like(out)
+                t1 = time.perf_counter()
+                with ctx():
+                    torch.autograd.backward(out, grad)
+                t2 = time.perf_counter()
+                store.run(0)
+                t3 = time.perf_counter()
+                if i:
+                    for kind, dt in zip(("Fs", "Bs", "W") if split else ("F", "B"), (t1 - t0, t2 - t1, t3 - t2)):
+                        got.setdefault((kind, c), []).append(dt)
+        chunk.zero_grad(set_to_none=True)
+    return {k: min(v) for k, v in got.items()}  # others' load only adds time: the least is the compute
+
+
+def _calibrate_ranks(steps) -> dict:
+    """Each variant's :func:`_calibrate`, one rank at a time (the others wait at a barrier), so
+    no two ranks share the cores while timing: ``{name: {(kind, chunk): s}}``."""
+    cal = {}
+    for r in range(dist.get_world_size()):
+        dist.barrier()
+        if dist.get_rank() == r:
+            cal = {name: _calibrate(fn.stages, fn.mb) for name, fn in steps.items()}
+        dist.barrier()
+    return cal
+
+
+class PacedTrace(ScheduleTrace):
+    """Dedicated-device emulation: the runner calls :meth:`record` after each action; an F, B
+    or W then holds its rank until ``K x`` its calibrated compute time has passed since the
+    action began (the action's slot), so a rank computes at most ``1/K`` of the time and ``PP``
+    ranks on ``PP/K`` cores or more never wait for a core. The compute is real (same losses and
+    gradients); the p2p exchanges and the runner's own work run outside the slots at their real
+    cost. ``slots``: ``{(kind, chunk): seconds}`` from :func:`_calibrate` (a B whose
+    micro-batch has a W in the plan takes ``Bs``, its F ``Fs``); counts ``overruns`` (actions
+    that took longer than their slot: not held) and ``late`` (summed overshoot past the slots' ends, s)."""
+
+    def __init__(self, cal, split, k):
+        super().__init__()
+        self.cal, self.split, self.k = cal, split, k
+        self.actions = self.overruns = 0
+        self.late = 0.0
+
+    def record(self, action, start, end):
+        if action.kind != "COMM":
+            defer = (action.mb, action.chunk) in self.split
+            kind = action.kind + ("s" if defer and action.kind in "FB" else "")
+            until = start + self.k * self.cal[(kind, action.chunk)]
+            self.actions += 1
+            if end > until:
+                self.overruns += 1
+            else:  # sleep, then spin the last SPIN_S (a late wake-up would lengthen every slot)
+                time.sleep(max(0.0, until - end - SPIN_S))
+                while (end := time.perf_counter()) < until:
+                    pass
+                self.late += end - until
+        super().record(action, start, end)
+
+
+def _rounds(steps, schedules, rounds, n, trace=lambda name: None):
+    """Alternating paired rounds: ``ratios[X]`` (X's median over 1F1B's, per round) and the
+    medians ``times[name]``; ``trace(name)`` gives each step's trace (None: unpaced)."""
+    ratios = {name: [] for name in schedules}
+    times = {name: [] for name in ["1f1b"] + schedules}
+    for i in range(rounds):
+        for name in schedules:
+            pair = ("1f1b", name) if i % 2 == 0 else (name, "1f1b")
+            got = {x: statistics.median(steps[x](trace(x)) for _ in range(n)) for x in pair}
+            ratios[name].append(got[name] / got["1f1b"])
+            for x in pair:
+                times[x].append(got[x])
+    return ratios, times
 
 
 def _bench(rank, world, args):
@@ -94,16 +194,14 @@ def _bench(rank, world, args):
         trace = ScheduleTrace()
         fn(trace)
         phases[name] = _phase_times(trace)
-    ratios = {name: [] for name in args.schedules}
-    times = {name: [] for name in names}
-    for i in range(args.rounds):
-        for name in args.schedules:
-            pair = ("1f1b", name) if i % 2 == 0 else (name, "1f1b")
-            got = {n: statistics.median(steps[n]() for _ in range(args.steps)) for n in pair}
-            ratios[name].append(got[name] / got["1f1b"])
-            for n in pair:
-                times[n].append(got[n])
-    return ratios, times, phases
+    out = {"unpaced": _rounds(steps, args.schedules, args.rounds, args.steps), "phases": phases}
+    if args.pace:
+        out["cal"] = cal = _calibrate_ranks(steps)
+        for k in args.pace:
+            traces = {name: PacedTrace(cal[name], fn.split, k) for name, fn in steps.items()}
+            out[k] = _rounds(steps, args.schedules, args.pace_rounds, 1, traces.get)
+            out[("overruns", k)] = {n: (t.overruns, t.actions, t.late) for n, t in traces.items()}
+    return out
 
 
 def _predicted(world, m, name, phase) -> float:
@@ -117,12 +215,23 @@ def _predicted(world, m, name, phase) -> float:
     return zb["makespan"] / base["makespan"]
 
 
+def _predicted_calibrated(world, m, name, cals) -> float:
+    """The simulator's ratio for the calibrated times (means over ranks and chunks): ``name``
+    with its deferring F, its input-gradient B and its W; 1F1B with its own F and undivided B."""
+    def mean(n, kind):
+        return statistics.mean(v for cal in cals for (k, _), v in cal[n].items() if k == kind)
+    vp = 1 if name in ("1f1b", "zb-h1") else 2
+    zb = simulate([build_plan(world, vp, m, r, schedule=name) for r in range(world)],
+                  mean(name, "Fs"), mean(name, "Bs"), mean(name, "W"))
+    base = simulate([build_plan(world, 1, m, r, schedule="1f1b") for r in range(world)],
+                    mean("1f1b", "F"), mean("1f1b", "B"), 0.0)
+    return zb["makespan"] / base["makespan"]
+
+
 def _split_overhead(args, repeats=40) -> dict:
     """One process, one thread, no pipeline: a 1F1B stage's GPT chunk (2 layers, embedding and
     head) run as F + full B and as F + split B + W (its store deferring), alternated; medians
     in ms -- the split backward's own cost, free of the host's other ranks."""
-    from contextlib import nullcontext
-
     from megazero.model import GPTModel
     from megazero.model.stages import gpt_forward_step
     from megazero.tensor_parallel.weight_grad_store import WeightGradStore
@@ -152,6 +261,20 @@ def _split_overhead(args, repeats=40) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in spans.items()}
 
 
+def _table(title, args, ratios, times, predicted, overruns=None):
+    print(f"\n{title}\n| schedule | median s/iter | vs 1F1B (median of paired rounds) | rounds' ratios | simulator |"
+          + (" overruns |" if overruns else "") + "\n|---|---|---|---|---|" + ("---|" if overruns else ""))
+    for name in ["1f1b"] + args.schedules:
+        rs = ", ".join(f"{r:.2f}" for r in ratios.get(name, []))
+        med = f"{statistics.median(ratios[name]):.3f}" if name in ratios else "1"
+        pred = f"{predicted[name]:.3f}" if name in predicted else "1"
+        extra = ""
+        if overruns:
+            over, n, late = (sum(x) for x in zip(*(o[name] for o in overruns)))
+            extra = f" {over}/{n} (past slot end {1e3 * late / max(n - over, 1):.3f} ms/slot) |"
+        print(f"| {name} | {statistics.median(times[name]):.3f} | {med} | {rs} | {pred} |" + extra)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
@@ -162,6 +285,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--schedules", type=lambda s: s.split(","), default=["zb-h1", "zbv"])
+    p.add_argument("--pace", type=float, nargs="*", default=[],
+                   help="dedicated-device emulation: each F/B/W holds its rank for K x its calibrated time")
+    p.add_argument("--pace-rounds", type=int, default=9, help="paired rounds per --pace K (one step each)")
     p.add_argument("--split-overhead", action="store_true",
                    help="only the one-process F/B/W timing of a stage's chunk, full vs split backward")
     args = p.parse_args(argv)
@@ -173,18 +299,22 @@ def main(argv=None):
     print(f"# PP {args.ranks}, M {args.micro_batches}, micro-batch {args.micro_batch} x seq {args.seq}, hidden "
           f"{args.hidden}, {2 * args.ranks} layers; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     results = run_distributed(_bench, args.ranks, args, timeout_s=3600)
-    ratios, times, phases = results[0]
-    print("| schedule | median s/iter | vs 1F1B (median of paired rounds) | rounds' ratios | "
-          "simulator's ratio for the measured F/B/W |")
-    print("|---|---|---|---|---|")
-    print(f"| 1f1b | {statistics.median(times['1f1b']):.3f} | 1 | | |")
-    for name in args.schedules:
-        pred = _predicted(args.ranks, args.micro_batches, name, phases[name])
-        rs = ", ".join(f"{r:.2f}" for r in ratios[name])
-        print(f"| {name} | {statistics.median(times[name]):.3f} | {statistics.median(ratios[name]):.3f} | {rs} | "
-              f"{pred:.3f} |")
+    first = results[0]
+    pred = {n: _predicted(args.ranks, args.micro_batches, n, first["phases"][n]) for n in args.schedules}
+    _table("unpaced (real compute, ranks share the cores); simulator: rank 0's traced F/B/W", args,
+           *first["unpaced"], pred)
     print("rank 0 phase medians (s): " + "; ".join(f"{n}: F {ph['F']:.4f} B {ph['B']:.4f} W {ph['W']:.4f}"
-                                                   for n, ph in phases.items()))
+                                                   for n, ph in first["phases"].items()))
+    if not args.pace:
+        return
+    cals = [r["cal"] for r in results]
+    pred = {n: _predicted_calibrated(args.ranks, args.micro_batches, n, cals) for n in args.schedules}
+    for k in args.pace:
+        _table(f"paced K = {k:g} (dedicated-device emulation); simulator: calibrated means; load "
+               f"{os.getloadavg()[0]:.1f}", args, *first[k], pred, [r[("overruns", k)] for r in results])
+    for r, cal in enumerate(cals):
+        print(f"rank {r} calibrated ms: " + "; ".join(
+            f"{n}: " + " ".join(f"{k}{c} {1e3 * v:.2f}" for (k, c), v in sorted(t.items())) for n, t in cal.items()))
 
 
 if __name__ == "__main__":

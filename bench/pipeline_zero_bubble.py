@@ -16,7 +16,8 @@ stage per rank), ``interleaved-zb`` (the same, two), ``zbv`` (``ScheduleZBVZeroB
 round-robin with every other variant of every schedule, step by step (the order rotated every
 round), so drifting machine load hits them alike: the per-micro-batch losses and every parameter's gradient of the first step must agree
 (max |diff| reported), then the median step time over ``--steps`` after ``--warmup``; reported:
-megazero / torch per schedule, and each megazero schedule / megazero 1F1B.
+megazero / torch per schedule (the medians' ratio, and the median of the rounds' ratios -- a
+round runs both back to back or nearly), and each megazero schedule / megazero 1F1B.
 """
 
 from __future__ import annotations
@@ -160,17 +161,18 @@ def bench(rank, world, m, b, s, h, steps, warmup):
                              float(len(lm) != len(lt))])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         out[name] = {impl: statistics.median(times[(name, impl)]) for impl in ("megazero", "torch")}
+        out[name]["paired"] = statistics.median(a / c for a, c in zip(times[(name, "megazero")], times[(name, "torch")]))
         out[name].update(loss_diff=diff[0].item(), grad_diff=diff[1].item(), loss_count_differs=bool(diff[2]))
     return out
 
 
 def report(res, pp, m) -> list[str]:
-    lines = [f"{'schedule':16s} {'megazero ms':>12s} {'torch ms':>10s} {'mz/torch':>9s} {'mz/mz-1f1b':>10s} "
-             f"{'max|dloss|':>11s} {'max|dgrad|':>11s}"]
+    lines = [f"{'schedule':16s} {'megazero ms':>12s} {'torch ms':>10s} {'mz/torch':>9s} {'per round':>9s} "
+             f"{'mz/mz-1f1b':>10s} {'max|dloss|':>11s} {'max|dgrad|':>11s}"]
     base = res["1f1b"]["megazero"]
     for name, r in res.items():
         lines.append(f"{name:16s} {r['megazero'] * 1e3:12.1f} {r['torch'] * 1e3:10.1f} "
-                     f"{r['megazero'] / r['torch']:9.3f} {r['megazero'] / base:10.3f} {r['loss_diff']:11.2e} "
+                     f"{r['megazero'] / r['torch']:9.3f} {r['paired']:9.3f} {r['megazero'] / base:10.3f} {r['loss_diff']:11.2e} "
                      f"{r['grad_diff']:11.2e}" + (" LOSS COUNT DIFFERS" if r["loss_count_differs"] else ""))
     return lines
 

@@ -24,7 +24,10 @@ the chunk's layers; the pipeline runner gets the list), does the bookkeeping:
 
 Memory: each deferred weight keeps ``X`` (already saved for the backward; with sequence
 parallelism the all-gathered ``X``, kept rather than gathered again at ``W``) and ``G`` from
-``B`` until ``W``. Outside :meth:`deferring` the layers run their ordinary backward.
+``B`` until ``W``; ``W`` drops each weight's ``X`` and ``G`` as soon as its ``dW`` is computed
+(the next weight's ``dW`` can reuse that memory instead of fresh pages: on a CPU, pages faulted
+in for each ``dW`` are a large part of the split's measured extra cost, docs/benchmarks.md).
+Outside :meth:`deferring` the layers run their ordinary backward.
 
 Megatron-core 0.16.1 has the same split as ``delay_wgrad_compute`` (model_parallel_config.py,
 Transformer Engine's ``backward_dw``); ``torch.distributed.pipelining`` (``_backward.py``:
@@ -66,8 +69,8 @@ def _summed(closures):
     """``compute()`` of a weight used several times: the sum of its contributions."""
     def compute():
         total = None
-        for fn in closures:
-            g = fn()
+        while closures:  # each closure dropped once run: its G and X are freed before the next dW
+            g = closures.pop(0)()
             if g is not None:
                 total = g if total is None else total + g
         return total
@@ -118,15 +121,18 @@ class WeightGradStore:
         """Action ``W``: compute and deliver micro-batch ``micro_batch``'s weight gradients, in
         push order (each weight's contributions summed, delivered once, through its
         ``AccumulateGrad``), in one autograd call; returns how many weights got one."""
-        queue = self._queued.pop(micro_batch, {})
-        if not queue:
+        pairs = list(self._queued.pop(micro_batch, {}).values())
+        count = len(pairs)
+        if not count:
             return 0
         with torch.enable_grad():
-            link = torch.empty(0, requires_grad=True)
-            for i, (weight, closures) in enumerate(reversed(list(queue.values()))):  # the last link runs first
-                link = _Deliver.apply(weight, link, _summed(closures), i == 0)
+            link = first = torch.empty(0, requires_grad=True)
+            while pairs:  # the last link runs first; only the chain holds the closures (module doc)
+                weight, closures = pairs.pop()
+                link = _Deliver.apply(weight, link, _summed(closures), link is first)
+            del weight, closures, first
             torch.autograd.backward(link, torch.empty(0))
-        return len(queue)
+        return count
 
     def pending(self) -> list:
         """Micro-batches whose weight gradients are still queued."""

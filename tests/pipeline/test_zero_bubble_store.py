@@ -126,3 +126,30 @@ def test_w_delivers_each_weight_before_computing_the_next():
     assert store.run(5) == 3 and store.run(5) == 0
     assert events == [(k, i) for i in range(3) for k in ("compute", "hook")]
     assert [p.grad[0, 0].item() for p in ps] == [0.0, 1.0, 2.0]
+
+
+def test_w_frees_each_weights_inputs_once_its_gradient_is_computed():
+    """What a weight's dW needs (its closures over X and G) is dropped as soon as that dW is
+    computed, before the next weight's: the W holds one weight's X and G at a time, not all."""
+    import gc
+    import weakref
+
+    class Saved:  # stands in for a closure's X and G
+        pass
+
+    ps = [nn.Parameter(torch.randn(2, 2)) for _ in range(3)]
+    store, refs, alive = WeightGradStore(), [], []
+
+    def hook(_):
+        gc.collect()
+        alive.append([r() is not None for r in refs])
+    for p in ps:
+        p.register_post_accumulate_grad_hook(hook)
+    with store.deferring(0):
+        for p in ps:
+            saved = Saved()
+            refs.append(weakref.ref(saved))
+            store.push(p, lambda saved=saved: torch.ones(2, 2))
+            del saved
+    store.run(0)
+    assert alive == [[False, True, True], [False, False, True], [False, False, False]]
