@@ -67,14 +67,17 @@ def find_units(chunk: nn.Module, modules=None) -> list[tuple[nn.Module, list]]:
 
 
 class _Unit:
-    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "hooked", "pending", "stamp")
+    __slots__ = ("index", "chunk", "region", "root", "in_fwd", "in_bwd", "hooked", "reads_none", "pending",
+                 "stamp", "gathers")
 
     def __init__(self, index, chunk, region, root):
         self.index, self.chunk, self.region, self.root = index, chunk, region, root
         self.in_fwd = self.in_bwd = 0
         self.hooked = False  # its backward's end is a gradient hook's (read_ends), not its gradients'
+        self.reads_none = False  # its backward reads none of its parameters (a first stage's embedding root)
         self.pending: Pending | None = None
         self.stamp = 0
+        self.gathers = 0  # all-gathers issued for it (a count for tests and benchmarks)
 
 
 class ParamGatherer:
@@ -122,7 +125,7 @@ class ParamGatherer:
         stop), and an uncounted ``in_fwd`` kept the unit gathered until the step's end."""
         def hook(module, args, output):
             unit.in_fwd -= 1
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not unit.reads_none:  # reads_none: no gather for its backward
                 fired = [False]
 
                 def on_grad(grad):
@@ -156,9 +159,15 @@ class ParamGatherer:
 
     def _end_of_reads_after(self, unit):
         """The same on the named module's outputs when its inputs need no gradient (a first
-        stage's embedding, whose input is token ids and whose backward reads no weight)."""
+        stage's embedding, whose input is token ids and whose backward reads no weight). Then
+        the root's backward reads none of its parameters (the module the root names is where
+        its reads end, and they end before they begin), so the root is not gathered for its
+        backward (``reads_none``): a first stage saves one all-gather of its vocabulary matrix
+        per micro-batch, and does not hold it through its layers' backward. Its gradients are
+        still taken (``dW[ids] += G`` lands in the released parameter's full-shape ``.grad``)."""
         def hook(module, args, output):
-            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            unit.reads_none = not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            if unit.reads_none:
                 unit.hooked = hook_outputs(output, lambda: self._end_backward(unit)) or unit.hooked
         return hook
 
@@ -186,6 +195,7 @@ class ParamGatherer:
         elif not unit.region.gathered:
             self._make_room(unit)
             unit.region.gather(async_op=False).wait()
+            unit.gathers += 1
             self.live += unit.region.padded
             self.peak_live = max(self.peak_live, self.live)
         self.clock += 1
@@ -197,6 +207,7 @@ class ParamGatherer:
         if self.live + unit.region.padded > self.max_live:
             return
         unit.pending = unit.region.gather(async_op=True)
+        unit.gathers += 1
         self.live += unit.region.padded
         self.peak_live = max(self.peak_live, self.live)
 

@@ -91,12 +91,17 @@ def _peaks(rank, world, cases):
         probe, peaks = _Probe(opt.gatherer), []
         for step in range(2):  # the first step records the execution order; the second prefetches
             opt.gatherer.peak_live = 0
+            for u in opt.gatherer.units:
+                u.gathers = 0
             runner.run(stages.chunks, _batches(m, topo.dp_rank), stages.forward_step, grad_scale=opt.loss_scale,
                        weight_grad_stores=stages.weight_grad_stores, trace=probe if step else None)
             peaks.append(opt.gatherer.peak_live)
             assert opt.step()[0]
         units = [(u.root, u.chunk, u.region.padded) for u in opt.gatherer.units]
-        out.append(dict(peaks=peaks, units=units, after_b=probe.after_b, mismatch=probe.mismatch))
+        first = [u.gathers for u in opt.gatherer.units if u.root and stages.chunks[u.chunk].pre_process
+                 and not stages.chunks[u.chunk].post_process]  # a first stage's embedding root
+        out.append(dict(peaks=peaks, units=units, after_b=probe.after_b, mismatch=probe.mismatch, m=m,
+                        embedding_root_gathers=first))
     return out
 
 
@@ -127,3 +132,17 @@ def test_gathered_parameters_bounded_as_under_1f1b(measured, i):
         if schedule == "zb-h1":  # the same stages as 1F1B: the same peak, step by step
             same = CASES.index((pp, "1f1b", prefetch, extra))
             assert got["peaks"] == res[same]["peaks"], (rank, got["peaks"], res[same]["peaks"])
+
+
+def test_a_first_stage_embedding_root_is_gathered_for_its_forward_only(measured):
+    """A first stage's root unit (the embedding: its backward, ``dW[ids] += G``, reads no weight)
+    is all-gathered once per micro-batch, for the forward -- not again for its backward (it was:
+    2 M per step, and held through the stage's layers' backward). Without prefetch, every
+    schedule."""
+    seen = 0
+    for i, (pp, schedule, prefetch, extra) in enumerate(CASES):
+        for res in measured:
+            if prefetch == 0 and res[i]["embedding_root_gathers"]:
+                assert res[i]["embedding_root_gathers"] == [res[i]["m"]], (CASES[i], res[i]["embedding_root_gathers"])
+                seen += 1
+    assert seen >= len(VP)
