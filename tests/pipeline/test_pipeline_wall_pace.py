@@ -2,20 +2,15 @@
 calibrated time (an overrun is counted, not held) and a paced step is never shorter than a
 rank's own slots."""
 
-import importlib.util
-import os
 import time
 from argparse import Namespace
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .bench_loader import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("pipeline_wall", os.path.join(ROOT, "bench", "pipeline_wall.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("pipeline_wall")
 
 
 def test_paced_trace_holds_an_action_to_its_slot_and_counts_overruns():

@@ -1,21 +1,19 @@
 """bench/pipeline.py --bubble-table: the simulated table meets the published figures and
 torch's own plans give megazero's numbers (no processes)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
+from .bench_loader import load_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("pipeline_bubbles", os.path.join(ROOT, "bench", "pipeline_bubbles.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("pipeline_bubbles")
 
 
 def test_table_rows_meet_the_published_figures():
@@ -47,9 +45,7 @@ def test_side_by_side_with_torchs_schedules_gives_equal_losses_and_gradients():
     ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV (and Schedule1F1B) on
     the same split of the same model: per-micro-batch losses and every gradient equal."""
     from megazero.testing import run_distributed
-    spec = importlib.util.spec_from_file_location("pzb", os.path.join(ROOT, "bench", "pipeline_zero_bubble.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("pipeline_zero_bubble")
     res = run_distributed(mod.bench, 2, 4, 2, 8, 32, 1, 0, timeout_s=240)[0]
     assert set(res) == {"1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev"}
     for name, r in res.items():
