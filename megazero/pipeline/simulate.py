@@ -68,6 +68,30 @@ def _try_comm(r, st, a, pos, posted, rendezvous) -> bool:
 COMMS = ("eager", "rendezvous", "nccl")
 
 
+def _run(plans, pos, rendezvous, times) -> list:
+    """Advance every rank as far as its COMMs allow, round after round, until all plans are done
+    (the ranks' final states) or a round moves none (a deadlock: ``RuntimeError``)."""
+    posted: dict[tuple, float] = {}  # (channel, op, position) -> post time
+    ranks = [_Rank(p) for p in plans]
+    while True:
+        progressed = False
+        for r, st in enumerate(ranks):
+            while st.pc < len(st.plan):
+                a = st.plan[st.pc]
+                if a.kind == "COMM":
+                    if not _try_comm(r, st, a, pos, posted, rendezvous):
+                        break
+                else:
+                    st.compute(r, a, *times)
+                st.pc += 1
+                progressed = True
+        if all(st.pc == len(st.plan) for st in ranks):
+            return ranks
+        if not progressed:
+            stuck = {r: str(st.plan[st.pc]) for r, st in enumerate(ranks) if st.pc < len(st.plan)}
+            raise RuntimeError(f"deadlock: ranks blocked at {stuck}")
+
+
 def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendezvous: bool = False,
              comm: str = "eager") -> dict:
     """Run every rank's plan in lock-free lockstep; raise ``RuntimeError`` on any defect.
@@ -101,25 +125,7 @@ def simulate(plans, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 0.0, rendez
     pos = channel_positions(plans)
     if comm == "nccl":
         check_streams(plans, "channels")
-    posted: dict[tuple, float] = {}  # (channel, op, position) -> post time
-    ranks = [_Rank(p) for p in plans]
-    while True:
-        progressed = False
-        for r, st in enumerate(ranks):
-            while st.pc < len(st.plan):
-                a = st.plan[st.pc]
-                if a.kind == "COMM":
-                    if not _try_comm(r, st, a, pos, posted, rendezvous):
-                        break
-                else:
-                    st.compute(r, a, t_f, t_b, t_w)
-                st.pc += 1
-                progressed = True
-        if all(st.pc == len(st.plan) for st in ranks):
-            break
-        if not progressed:
-            stuck = {r: str(st.plan[st.pc]) for r, st in enumerate(ranks) if st.pc < len(st.plan)}
-            raise RuntimeError(f"deadlock: ranks blocked at {stuck}")
+    ranks = _run(plans, pos, rendezvous, (t_f, t_b, t_w))
     for r, st in enumerate(ranks):
         fwd = {(m, c) for k, m, c in st.seen if k == "F"}
         if fwd != {(m, c) for k, m, c in st.seen if k == "B"} and any(k == "B" for k, _, _ in st.seen):
