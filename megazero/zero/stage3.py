@@ -150,7 +150,8 @@ class ParamGatherer:
         last gradient arrives (the tied embedding's; a deferred weight's, at the plan's ``W``):
         during the layers' backward the vocabulary matrix is not held (ZeRO-3, DP 2, 152M: 0.1 GB
         less at the step's peak), and under a zero-bubble plan no layer stays gathered from its
-        ``B`` to its ``W``. Nothing is gathered more often: 2 all-gathers per micro-batch."""
+        ``B`` to its ``W``. Nothing is gathered more often: 2 all-gathers per micro-batch (1 for a
+        first stage's embedding root, :meth:`_end_of_reads_after`)."""
         def hook(module, args, kwargs):
             hooked = hook_inputs(args, kwargs, lambda: self._end_backward(unit))
             unit.hooked = unit.hooked or hooked is not None
