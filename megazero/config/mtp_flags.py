@@ -11,7 +11,12 @@ place the MTP layers, each refused in one line before any process group:
   token count (``MTPLossAutoScaler`` without ``/ num_tokens``), not each depth's own mean;
 * a pipeline (PP > 1) with tied embeddings: the last stage holds a copy of the word embedding
   (synced with the first stage's), which here is only possible for an untied output layer (the
-  tied output layer already is that stage's copy).
+  tied output layer already is that stage's copy);
+* ``--recompute-granularity full`` with the uniform method (or none) and ``--recompute-num-layers``
+  > 1: megatron-core 0.16.1 recomputes each MTP layer on its own and asserts
+  ``recompute_num_layers == 1`` (``MultiTokenPredictionLayer._checkpointed_forward``). With
+  ``--recompute-method block`` the MTP layers are not recomputed (a warning when the model is
+  built, as Megatron's); see :mod:`megazero.model.mtp`.
 
 ``--mtp-standalone``, ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and
 ``--mtp-hybrid-override-pattern`` stay refused (megatron_flags.tsv).
@@ -20,6 +25,8 @@ place the MTP layers, each refused in one line before any process group:
 from __future__ import annotations
 
 import argparse
+
+from megazero.model.mtp import mtp_recompute_problem
 
 
 def add_mtp_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +62,9 @@ def check_mtp(err, args) -> None:
         err(f"--mtp-num-layers {D} with --pipeline-schedule {schedule}: the V placement puts the last stage on "
             "pipeline rank 0 beside the embedding, and MTP's embedding copy is not placed for it; use "
             "--pipeline-schedule 1f1b, interleaved-1f1b, zb-h1 or interleaved-zb")
+    method, n = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
+    if getattr(args, "recompute_granularity", None) == "full" and method != "block" and n not in (None, 1):
+        err(mtp_recompute_problem(D, method, n))
     if args.position_embedding_type != "rope":
         err(f"--mtp-num-layers {D} needs --position-embedding-type rope (got {args.position_embedding_type}), as in "
             "Megatron-LM")

@@ -26,6 +26,19 @@ from that name; an MoE block when the last decoder layer is one, as Megatron bui
 layer from the decoder's last layer spec). Under TP ``eh_proj`` is column-parallel (its output
 all-gathered, then scattered over the sequence with SP), the norms replicated.
 
+Full activation recompute (``--recompute-granularity full``, training), as megatron-core 0.16.1's
+``MultiTokenPredictionLayer.forward`` / ``_checkpointed_forward``: with ``--recompute-method
+uniform`` (here also with no method, the decoder's uniform default) the part ``x_k -> Layer_k(x_k)``
+(``enorm``, ``hnorm``, the concatenation, ``eh_proj`` with its TP gather / SP scatter, the
+transformer layer: Megatron's ``_proj_and_transformer_layer``) keeps only its inputs ``h_{k-1}``,
+``e_k`` and the RoPE tables and is recomputed in backward with the forward's dropout masks
+(:func:`~megazero.tensor_parallel.checkpoint` with the chunk's RNG tracker, as the decoder
+layers); the embedding ``e_k`` (and its dropout), ``final_norm_k``, the output head and the loss
+stay outside, stored. Megatron asserts ``recompute_num_layers == 1`` there: a uniform recompute
+of more layers with MTP is refused (``--mtp-num-layers`` check and :class:`MultiTokenPrediction`).
+``--recompute-method block``: the MTP layers are not recomputed and a warning says so (Megatron's
+"not supported for MTP yet. Skipping recompute").
+
 Parameters (``mtp.layers.{k-1}.``): ``enorm``, ``hnorm``, ``eh_proj`` (``[h, 2h]``),
 ``transformer_layer.*``, ``final_norm``. A pipeline's last stage without the embedding holds a
 copy ``mtp.embedding.*`` of it, drawn from the same seed and kept equal by summing its gradient
@@ -34,11 +47,14 @@ with the first stage's over the embedding group (:func:`megazero.model.stages.sh
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from megazero.moe.router import AttachLoss
-from megazero.tensor_parallel import ColumnParallelLinear, scatter_to_sequence_parallel_region, seeded_normal
+from megazero.tensor_parallel import (ColumnParallelLinear, checkpoint, scatter_to_sequence_parallel_region,
+                                      seeded_normal)
 from megazero.tensor_parallel.mappings import group_size
 
 from .transformer import Norm, TransformerLayer
@@ -53,12 +69,37 @@ def roll_left(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def recompute_mtp(config) -> bool:
+    """Whether a training forward recomputes the MTP layers (the module doc): full granularity with
+    the uniform method (or none) of one layer; ``ValueError`` for more layers (megatron-core 0.16.1
+    asserts ``recompute_num_layers == 1``), a warning and False for the block method."""
+    if config.recompute_granularity != "full" or not config.mtp_num_layers:
+        return False
+    if config.recompute_method == "block":
+        warnings.warn("--recompute-method block: the multi-token prediction layers are not recomputed (as "
+                      "megatron-core 0.16.1: block recompute is not supported for MTP, skipping recompute)",
+                      stacklevel=3)
+        return False
+    n = config.recompute_num_layers
+    if n not in (None, 1):
+        raise ValueError(mtp_recompute_problem(config.mtp_num_layers, config.recompute_method, n))
+    return True
+
+
+def mtp_recompute_problem(mtp_num_layers, method, num_layers) -> str:
+    """The one line refusing a uniform full recompute of ``num_layers`` > 1 with MTP."""
+    given = f"--recompute-method {method}" if method else "--recompute-granularity full"
+    return (f"--mtp-num-layers {mtp_num_layers} with {given} --recompute-num-layers {num_layers}: megatron-core "
+            "0.16.1 recomputes each MTP layer on its own (it asserts recompute_num_layers == 1); use "
+            "--recompute-num-layers 1, or --recompute-method block (the MTP layers then are not recomputed)")
+
+
 class MTPLayer(nn.Module):
     """Depth ``depth + 1`` (0-based ``depth``): see the module doc."""
 
     def __init__(self, config, depth: int, tp_group, tracker, device, topo=None, moe_state=None, buffer_device=None):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.tracker = tp_group, tracker  # the chunk's dropout RNG: replayed by a recompute
         self.sp = config.sequence_parallel and group_size(tp_group) > 1
         h = config.hidden_size
         self.enorm = Norm(config, tp_group, self.sp, device)
@@ -71,11 +112,16 @@ class MTPLayer(nn.Module):
                                                   moe_state, buffer_device)
         self.final_norm = Norm(config, tp_group, self.sp, device)
 
-    def forward(self, hidden, embedded, rope, attention_mask=None):
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h]
-        if self.sp:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        return self.final_norm(self.transformer_layer(x, rope, attention_mask=attention_mask))
+    def forward(self, hidden, embedded, rope, attention_mask=None, recompute: bool = False):
+        """``h_k = final_norm_k(Layer_k(x_k))``; ``recompute``: ``x_k -> Layer_k(x_k)`` under
+        :func:`~megazero.tensor_parallel.checkpoint` (the module doc), ``final_norm_k`` outside."""
+        def run(h, e, *cos_sin):
+            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))  # [s, b, h]
+            if self.sp:
+                x = scatter_to_sequence_parallel_region(x, self.tp_group)
+            return self.transformer_layer(x, cos_sin if cos_sin else None, attention_mask=attention_mask)
+        args = (hidden, embedded) + (tuple(rope) if rope is not None else ())
+        return self.final_norm(checkpoint(run, self.tracker, *args) if recompute else run(*args))
 
 
 class MultiTokenPrediction(nn.Module):
@@ -89,6 +135,7 @@ class MultiTokenPrediction(nn.Module):
             raise ValueError("multi-token prediction on a last pipeline stage without the embedding needs "
                              "--untie-embeddings-and-output-weights")
         self.config, self.tp_group, self.moe_state = config, tp_group, moe_state
+        self.recompute = recompute_mtp(config)
         self.layers = nn.ModuleList([MTPLayer(config, d, tp_group, tracker, device, topo, moe_state, buffer_device)
                                      for d in range(config.mtp_num_layers)])
         self.embedding = embedding  # a copy of the word embedding (None: the chunk's own is used)
@@ -104,7 +151,8 @@ class MultiTokenPrediction(nn.Module):
         total = None
         for k, layer in enumerate(self.layers):
             tokens, labels, mask = roll_left(tokens), roll_left(labels), roll_left(mask)
-            hidden = layer(hidden, embedding(tokens, position_ids), rope, attention_mask)
+            hidden = layer(hidden, embedding(tokens, position_ids), rope, attention_mask,
+                           recompute=self.recompute and self.training)
             losses = cross_entropy(logits_of(hidden), labels)
             depth_loss = (losses * mask).sum() / mask.sum()
             if record:

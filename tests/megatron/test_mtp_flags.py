@@ -27,9 +27,22 @@ def test_flags_reach_the_config_and_checkpoint_args():
     (ROPE + ["--mtp-num-layers", "1", "--context-parallel-size", "2"], "--context-parallel-size 2"),
     (["--mtp-use-repeated-layer"], "--mtp-use-repeated-layer"),
     (["--mtp-num-layers", "1", "--calculate-per-token-loss"], "--calculate-per-token-loss"),
+    (ROPE + ["--mtp-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "2"],
+     "--mtp-num-layers 1 with --recompute-method uniform --recompute-num-layers 2: megatron-core 0.16.1"),
+    (ROPE + ["--mtp-num-layers", "2", "--recompute-granularity", "full", "--recompute-num-layers", "4"],
+     "--mtp-num-layers 2 with --recompute-granularity full --recompute-num-layers 4"),
 ])
 def test_mtp_layouts_refused_in_one_line(capsys, extra, needle):
     assert needle in refused(capsys, BASE + extra)
+
+
+@pytest.mark.parametrize("method,n", [("uniform", "1"), ("block", "2"), ("block", "4")])
+def test_mtp_recompute_of_one_layer_or_block_is_accepted(method, n):
+    """Megatron's MTP recompute: uniform with one layer each; block (the MTP layers then not recomputed)."""
+    c = build_configs(parse(BASE + ROPE + ["--mtp-num-layers", "1", "--recompute-granularity", "full",
+                                           "--recompute-method", method, "--recompute-num-layers", n]))
+    assert (c.model.recompute_method, c.model.recompute_num_layers) == (method, int(n))
 
 
 @pytest.mark.parametrize("extra,needle", [
