@@ -3,8 +3,11 @@
 depth's MTP loss (``MTPLossLoggingHelper``'s tracker: ``sum(mask * CE) / sum(mask)`` of the rolled
 labels and mask) and the gradients of ``mean(lm loss)`` with the MTP loss attached
 (``MTPLossAutoScaler``, backward scale 1; megazero's ``aux_scale`` 1), fp32, max-relative 1e-5.
-The flags' meanings are Megatron's (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``)."""
+The flags' meanings are Megatron's (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``), and so is
+full recompute (uniform, one layer: the decoder layers and each MTP layer's projection + transformer
+layer checkpointed on both sides, ``MultiTokenPredictionLayer._checkpointed_forward``)."""
 
+import pytest
 import torch
 
 from tests.peers.megatron_helpers import cpu_shims
@@ -12,13 +15,14 @@ from tests.peers.megatron_helpers import cpu_shims
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, mtp_num_layers=2,
            mtp_loss_scaling_factor=0.3)
 V, S, B = 128, 12, 2
+UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
-def megazero_model():
+def megazero_model(recompute):
     from megazero.model import GPTConfig, GPTModel
     cfg = GPTConfig(vocab_size=V, make_vocab_size_divisible_by=128, seq_length=S, position_embedding_type="rope",
                     normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-                    untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0, **CFG)
+                    untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0, **CFG, **recompute)
     model = GPTModel(cfg)
     with torch.no_grad():  # norms away from one, so a misplaced norm shows
         for name, p in model.named_parameters():
@@ -48,7 +52,7 @@ def _megatron_value(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.view(3, H, d, -1).transpose(0, 1).reshape(t.shape)
 
 
-def _megatron(rank, world, full, ids, labels):
+def _megatron(rank, world, full, ids, labels, recompute):
     cpu_shims()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -62,7 +66,7 @@ def _megatron(rank, world, full, ids, labels):
         cfg = TransformerConfig(normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False,
                                 gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                                 bias_activation_fusion=False, use_cpu_initialization=True, hidden_dropout=0.0,
-                                attention_dropout=0.0, persist_layer_norm=False, **CFG)
+                                attention_dropout=0.0, persist_layer_norm=False, **CFG, **recompute)
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         model = GPTModel(cfg, spec, V, S, position_embedding_type="rope", share_embeddings_and_output_weights=False,
                          mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
@@ -85,9 +89,10 @@ def _megatron(rank, world, full, ids, labels):
         ps.destroy_model_parallel()
 
 
-def test_megazero_mtp_equals_megatron_core():
+@pytest.mark.parametrize("recompute", [{}, UNIFORM], ids=["plain", "full-uniform-recompute"])
+def test_megazero_mtp_equals_megatron_core(recompute):
     from megazero.testing import run_distributed
-    model = megazero_model()
+    model = megazero_model(recompute)
     full = {k: v.detach().clone() for k, v in model.full_state_dict().items()}
     g = torch.Generator().manual_seed(0)
     text = torch.randint(0, V, (B, S + 1), generator=g)
@@ -97,10 +102,24 @@ def test_megazero_mtp_equals_megatron_core():
     losses = model(ids, labels=labels)
     losses.mean().backward()
     mtp = model.moe_state.take()["mtp_loss"][:CFG["mtp_num_layers"]]
-    (want_loss, want_mtp, want_grads), = run_distributed(_megatron, 1, full, ids, labels, timeout_s=120)
+    (want_loss, want_mtp, want_grads), = run_distributed(_megatron, 1, full, ids, labels, recompute,
+                                                                  timeout_s=120)
 
     def rel(a, b):
         return ((a - b).abs().max() / b.abs().max()).item()
     assert rel(losses, want_loss) < 1e-5 and rel(mtp, want_mtp) < 1e-5, (mtp, want_mtp)
     for name, p in model.named_parameters():
         assert rel(p.grad, want_grads[name]) < 1e-5, name
+
+
+def test_uniform_recompute_of_two_layers_megatron_asserts_megazero_refuses():
+    """Megatron stops in the MTP layer's forward (``recompute_num_layers must be 1 for MTP
+    recompute``); megazero refuses the same setting when the model is built (and the flags parsed)."""
+    from megazero.testing import run_distributed
+    two = dict(UNIFORM, recompute_num_layers=2)
+    with pytest.raises(ValueError, match="--recompute-num-layers 2: megatron-core 0.16.1"):
+        megazero_model(two)
+    full = {k: v.detach().clone() for k, v in megazero_model({}).full_state_dict().items()}
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match="recompute_num_layers must be 1 for MTP recompute"):
+        run_distributed(_megatron, 1, full, ids, ids.roll(-1, 1), two, timeout_s=120)
