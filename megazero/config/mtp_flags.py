@@ -15,8 +15,8 @@ place the MTP layers, each refused in one line before any process group:
 * ``--recompute-granularity full`` with the uniform method (or none) and ``--recompute-num-layers``
   > 1: megatron-core 0.16.1 recomputes each MTP layer on its own and asserts
   ``recompute_num_layers == 1`` (``MultiTokenPredictionLayer._checkpointed_forward``). With
-  ``--recompute-method block`` the MTP layers are not recomputed (a warning when the model is
-  built, as Megatron's); see :mod:`megazero.model.mtp`.
+  ``--recompute-method block`` the MTP layers are not recomputed (a warning, one line per job;
+  Megatron warns in the forward); see :mod:`megazero.model.mtp`.
 
 ``--mtp-standalone``, ``--mtp-use-repeated-layer``, ``--mtp-detach-heads`` and
 ``--mtp-hybrid-override-pattern`` stay refused (megatron_flags.tsv).
@@ -25,8 +25,9 @@ place the MTP layers, each refused in one line before any process group:
 from __future__ import annotations
 
 import argparse
+import warnings
 
-from megazero.model.mtp import mtp_recompute_problem
+from megazero.model.mtp import MTP_BLOCK_NOTICE, mtp_recompute_problem
 
 
 def add_mtp_flags(p: argparse.ArgumentParser) -> None:
@@ -65,6 +66,8 @@ def check_mtp(err, args) -> None:
     method, n = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
     if getattr(args, "recompute_granularity", None) == "full" and method != "block" and n not in (None, 1):
         err(mtp_recompute_problem(D, method, n))
+    if getattr(args, "recompute_granularity", None) == "full" and method == "block":
+        warnings.warn(MTP_BLOCK_NOTICE, stacklevel=3)
     if args.position_embedding_type != "rope":
         err(f"--mtp-num-layers {D} needs --position-embedding-type rope (got {args.position_embedding_type}), as in "
             "Megatron-LM")

@@ -36,8 +36,9 @@ transformer layer: Megatron's ``_proj_and_transformer_layer``) keeps only its in
 layers); the embedding ``e_k`` (and its dropout), ``final_norm_k``, the output head and the loss
 stay outside, stored. Megatron asserts ``recompute_num_layers == 1`` there: a uniform recompute
 of more layers with MTP is refused (``--mtp-num-layers`` check and :class:`MultiTokenPrediction`).
-``--recompute-method block``: the MTP layers are not recomputed and a warning says so (Megatron's
-"not supported for MTP yet. Skipping recompute").
+``--recompute-method block``: the MTP layers are not recomputed; the flag check warns
+(:data:`MTP_BLOCK_NOTICE`, one ``WARNING`` line per job), where Megatron warns "not supported for
+MTP yet. Skipping recompute" in the forward.
 
 Parameters (``mtp.layers.{k-1}.``): ``enorm``, ``hnorm``, ``eh_proj`` (``[h, 2h]``),
 ``transformer_layer.*``, ``final_norm``. A pipeline's last stage without the embedding holds a
@@ -46,8 +47,6 @@ with the first stage's over the embedding group (:func:`megazero.model.stages.sh
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
@@ -69,17 +68,18 @@ def roll_left(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+MTP_BLOCK_NOTICE = ("--recompute-method block: the multi-token prediction layers are not recomputed (as "
+                    "megatron-core 0.16.1: 'not supported for MTP yet. Skipping recompute')")
+
+
 def recompute_mtp(config) -> bool:
     """Whether a training forward recomputes the MTP layers (the module doc): full granularity with
     the uniform method (or none) of one layer; ``ValueError`` for more layers (megatron-core 0.16.1
-    asserts ``recompute_num_layers == 1``), a warning and False for the block method."""
+    asserts ``recompute_num_layers == 1``), False for the block method."""
     if config.recompute_granularity != "full" or not config.mtp_num_layers:
         return False
     if config.recompute_method == "block":
-        warnings.warn("--recompute-method block: the multi-token prediction layers are not recomputed (as "
-                      "megatron-core 0.16.1: block recompute is not supported for MTP, skipping recompute)",
-                      stacklevel=3)
-        return False
+        return False  # the flag check warns (MTP_BLOCK_NOTICE), once per job
     n = config.recompute_num_layers
     if n not in (None, 1):
         raise ValueError(mtp_recompute_problem(config.mtp_num_layers, config.recompute_method, n))
