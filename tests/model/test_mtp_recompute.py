@@ -3,8 +3,8 @@
 
 * uniform, one layer: losses (LM and each depth's MTP loss) and every gradient bitwise equal to no
   recompute over two steps with hidden and attention dropout on (the RNG replay), at one process
-  and at TP 2 with SP, dense and MoE MTP layers; PP 2 and TP 2 (SP) at ZeRO 1 and 3 equal one
-  process without recompute;
+  and at TP 2 with SP, dense and MoE MTP layers; PP 2 (1F1B and zb-h1), TP 2 (SP) and an MoE
+  model at PP 2 x EP 2, at ZeRO 1 and 3, equal one process without recompute;
 * the recompute happens: in backward the MTP layers' ``enorm``/``hnorm``/``eh_proj``/transformer
   layer run a second time, their ``final_norm`` and the embedding do not, and the tensors kept for
   backward shrink (saved-tensor hooks) against the block method, which does not recompute MTP;
@@ -70,10 +70,15 @@ def test_recompute_equals_none_tp2_sequence_parallel_with_dropout():
     assert run_distributed(_equal_with_and_without, 2) == [2, 2]
 
 
-@pytest.mark.parametrize("sizes,overrides", [(dict(pp=2), DENSE), (dict(tp=2), dict(DENSE, sequence_parallel=True))],
-                         ids=["pp2", "tp2-sp"])
+@pytest.mark.parametrize("sizes,overrides", [
+    (dict(pp=2), DENSE),
+    (dict(tp=2), dict(DENSE, sequence_parallel=True)),
+    (dict(pp=2, pipeline_schedule="zb-h1"), DENSE),
+    (dict(pp=2, ep=2), dict(MOE_MTP, hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=1)),
+], ids=["pp2", "tp2-sp", "pp2-zb-h1", "moe-pp2-ep2"])
 def test_recompute_layout_equals_one_process_without(sizes, overrides):
-    """ZeRO 1 and 3 (the MTP layers' parameters gathered again for the recompute) at PP 2 / TP 2."""
+    """ZeRO 1 and 3 (the MTP layers' parameters gathered again for the recompute); zero-bubble's
+    split backward (weight gradients at W); an MoE MTP layer over EP 2."""
     dp = 4 // (sizes.get("tp", 1) * sizes.get("pp", 1))
     data = gpt_batches(2, dp, 2)
     ref_mtp = []
