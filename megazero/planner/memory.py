@@ -56,7 +56,7 @@ largest kernels. Leave ~10-20 % of the device for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megazero.model.config import GPTConfig
 
@@ -260,8 +260,9 @@ def _rank_activation_bytes(shape: GPTConfig, r: int, run: _Run) -> float:
         act += min(-(-k // run.vp), run.m) * s * b * h / (tp if run.sp else 1)
     if last:
         act += 4 * s * b * h / tp + 4 * s * b * shape.padded_vocab(tp) / tp
-        if shape.mtp_num_layers:
-            act += mtp_activation_bytes(shape, _chunk_bytes(shape, mtp_layers(shape)[:1], run)[0], k, s, b, tp)
+        if shape.mtp_num_layers:  # block recompute leaves the MTP layers stored (megazero.model.mtp)
+            mtp_run = replace(run, recompute=None) if run.recompute == "full" and run.method == "block" else run
+            act += mtp_activation_bytes(shape, _chunk_bytes(shape, mtp_layers(shape)[:1], mtp_run)[0], k, s, b, tp)
     return act
 
 

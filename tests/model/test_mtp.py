@@ -119,6 +119,20 @@ def test_planner_counts_mtp_layers(pp, overrides):
                       micro_batches=2).activation_bytes
 
 
+def test_planner_mtp_layers_stored_under_block_recompute():
+    """Full recompute, block method: megazero (as megatron-core 0.16.1) leaves the MTP layers stored,
+    so they add what they add without recompute; uniform recomputes them (less)."""
+    from megazero import planner as plan
+
+    def mtp_extra(recompute, method):
+        kw = dict(micro_batch_size=1, micro_batches=2, recompute=recompute, recompute_method=method,
+                  recompute_num_layers=1 if recompute else None)
+        return plan.estimate(moe_config(**DENSE), 1, 1, 1, 0, **kw).activation_bytes - \
+            plan.estimate(moe_config(**dict(DENSE, mtp_num_layers=None)), 1, 1, 1, 0, **kw).activation_bytes
+    stored, block, uniform = mtp_extra(None, None), mtp_extra("full", "block"), mtp_extra("full", "uniform")
+    assert stored > 0 and block == pytest.approx(stored) and uniform < block, (stored, block, uniform)
+
+
 def test_throughput_flops_count_mtp_as_megatron():
     """Megatron's ``num_floating_point_operations``: each MTP depth adds ``6 B s (3h + 2h^2)`` (norms,
     eh_proj) and a logit layer ``6 B s h V``."""
