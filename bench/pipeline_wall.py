@@ -22,7 +22,7 @@ loss on such a host, so the measured ratio stays above the simulator's (with 4 r
 every schedule is CPU-bound: docs/benchmarks.md).
 
 ``--pace K``: dedicated-device emulation (:class:`PacedTrace`): every F, B and W runs its real
-compute, then holds its rank to ``K x`` that action's calibrated compute time (:func:`_calibrate`,
+compute, then holds its rank to ``K x`` that action's calibrated compute time (:func:`_calibrate_ranks`,
 each rank alone), so the ranks never contend for cores; p2p and the runner's work between actions
 run at their real cost. Paired rounds as above, one step each, ``--pace-rounds`` per K; the
 simulator's ratio for the calibrated times is printed beside it.
@@ -93,44 +93,47 @@ def _phase_times(trace) -> dict:
     return {k: statistics.median(v) if v else 0.0 for k, v in spans.items()}
 
 
-def _calibrate(stages, mb, reps=7) -> dict:
-    """This rank's compute times alone (no p2p, no other rank running): ``{(kind, chunk): s}``,
-    the least of ``reps``; kinds ``F``/``B`` undivided, ``Fs``/``Bs``/``W`` with the store deferring
+def _calibrate_once(stages, mb, got: dict) -> None:
+    """One timing of this rank's compute alone (no p2p, no other rank running), appended to
+    ``got[(kind, chunk)]``; kinds ``F``/``B`` undivided, ``Fs``/``Bs``/``W`` with the store deferring
     (B then input gradients only, W the weight gradients). A chunk's input is a random activation
     (the tokens on the first virtual stage), its output gradient random (the loss on the last)."""
-    got = {}
     for c, chunk in enumerate(stages.chunks):
         store = stages.weight_grad_stores[c]
-        for i in range(reps + 1):
-            for split in (False, True):
-                x = None if getattr(chunk, "pre_process", False) else \
-                    torch.randn(stages.activation_shape, requires_grad=True)
-                ctx = (lambda: store.deferring(0)) if split else nullcontext
-                t0 = time.perf_counter()
-                with ctx():
-                    out = stages.forward_step(chunk, mb, x)
-                grad = None if out.dim() == 0 else torch.randn_like(out)
-                t1 = time.perf_counter()
-                with ctx():
-                    torch.autograd.backward(out, grad)
-                t2 = time.perf_counter()
-                store.run(0)
-                t3 = time.perf_counter()
-                if i:
-                    for kind, dt in zip(("Fs", "Bs", "W") if split else ("F", "B"), (t1 - t0, t2 - t1, t3 - t2)):
-                        got.setdefault((kind, c), []).append(dt)
+        for split in (False, True):
+            x = None if getattr(chunk, "pre_process", False) else \
+                torch.randn(stages.activation_shape, requires_grad=True)
+            ctx = (lambda: store.deferring(0)) if split else nullcontext
+            t0 = time.perf_counter()
+            with ctx():
+                out = stages.forward_step(chunk, mb, x)
+            grad = None if out.dim() == 0 else torch.randn_like(out)
+            t1 = time.perf_counter()
+            with ctx():
+                torch.autograd.backward(out, grad)
+            t2 = time.perf_counter()
+            store.run(0)
+            t3 = time.perf_counter()
+            for kind, dt in zip(("Fs", "Bs", "W") if split else ("F", "B"), (t1 - t0, t2 - t1, t3 - t2)):
+                got.setdefault((kind, c), []).append(dt)
         chunk.zero_grad(set_to_none=True)
-    return {k: min(v) for k, v in got.items()}  # others' load only adds time: the least is the compute
 
 
-def _calibrate_ranks(steps) -> dict:
-    """Each variant's :func:`_calibrate`, one rank at a time (the others wait at a barrier), so
-    no two ranks share the cores while timing: ``{name: {(kind, chunk): s}}``."""
+def _calibrate_ranks(steps, reps=9) -> dict:
+    """Each variant's compute times (:func:`_calibrate_once`), one rank at a time (the others wait
+    at a barrier), so no two ranks share the cores while timing; the variants interleaved
+    repetition by repetition (a burst of the host's other load hits them alike, not one variant's
+    whole calibration), after one untimed repetition; the least of ``reps`` (others' load only
+    adds time): ``{name: {(kind, chunk): s}}``."""
     cal = {}
     for r in range(dist.get_world_size()):
         dist.barrier()
         if dist.get_rank() == r:
-            cal = {name: _calibrate(fn.stages, fn.mb) for name, fn in steps.items()}
+            got = {name: {} for name in steps}
+            for i in range(reps + 1):
+                for name, fn in steps.items():
+                    _calibrate_once(fn.stages, fn.mb, got[name] if i else {})
+            cal = {name: {k: min(v) for k, v in t.items()} for name, t in got.items()}
         dist.barrier()
     return cal
 
@@ -141,7 +144,7 @@ class PacedTrace(ScheduleTrace):
     action began (the action's slot), so a rank computes at most ``1/K`` of the time and ``PP``
     ranks on ``PP/K`` cores or more never wait for a core. The compute is real (same losses and
     gradients); the p2p exchanges and the runner's own work run outside the slots at their real
-    cost. ``slots``: ``{(kind, chunk): seconds}`` from :func:`_calibrate` (a B whose
+    cost. ``slots``: ``{(kind, chunk): seconds}`` from :func:`_calibrate_ranks` (a B whose
     micro-batch has a W in the plan takes ``Bs``, its F ``Fs``); counts ``overruns`` (actions
     that took longer than their slot: not held) and ``late`` (summed overshoot past the slots' ends, s)."""
 
