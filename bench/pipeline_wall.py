@@ -97,7 +97,10 @@ def _calibrate_once(stages, mb, got: dict) -> None:
     """One timing of this rank's compute alone (no p2p, no other rank running), appended to
     ``got[(kind, chunk)]``; kinds ``F``/``B`` undivided, ``Fs``/``Bs``/``W`` with the store deferring
     (B then input gradients only, W the weight gradients). A chunk's input is a random activation
-    (the tokens on the first virtual stage), its output gradient random (the loss on the last)."""
+    (the tokens on the first virtual stage), its output gradient random (the loss on the last).
+    Every weight already has a ``.grad``, so each timed backward accumulates into it, as in a step's
+    micro-batches after the first (an undivided B writing fresh gradients while the split's W
+    accumulates would charge the split an extra pass over the weights)."""
     for c, chunk in enumerate(stages.chunks):
         store = stages.weight_grad_stores[c]
         for split in (False, True):
@@ -116,15 +119,14 @@ def _calibrate_once(stages, mb, got: dict) -> None:
             t3 = time.perf_counter()
             for kind, dt in zip(("Fs", "Bs", "W") if split else ("F", "B"), (t1 - t0, t2 - t1, t3 - t2)):
                 got.setdefault((kind, c), []).append(dt)
-        chunk.zero_grad(set_to_none=True)
 
 
 def _calibrate_ranks(steps, reps=9) -> dict:
     """Each variant's compute times (:func:`_calibrate_once`), one rank at a time (the others wait
     at a barrier), so no two ranks share the cores while timing; the variants interleaved
     repetition by repetition (a burst of the host's other load hits them alike, not one variant's
-    whole calibration), after one untimed repetition; the least of ``reps`` (others' load only
-    adds time): ``{name: {(kind, chunk): s}}``."""
+    whole calibration), after one untimed repetition (which also gives every weight its
+    ``.grad``); the least of ``reps`` (others' load only adds time): ``{name: {(kind, chunk): s}}``."""
     cal = {}
     for r in range(dist.get_world_size()):
         dist.barrier()
@@ -134,6 +136,9 @@ def _calibrate_ranks(steps, reps=9) -> dict:
                 for name, fn in steps.items():
                     _calibrate_once(fn.stages, fn.mb, got[name] if i else {})
             cal = {name: {k: min(v) for k, v in t.items()} for name, t in got.items()}
+            for fn in steps.values():
+                for chunk in fn.stages.chunks:
+                    chunk.zero_grad(set_to_none=True)
         dist.barrier()
     return cal
 
