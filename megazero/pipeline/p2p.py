@@ -11,7 +11,11 @@ One posting for every schedule and every backend (so the gloo suite runs what NC
   :mod:`.streams`); Megatron gives one direction of a two-rank pipeline its own communicator for
   the same reason (megatron-core 0.16.1 pipeline_parallel/p2p_communication.py ``_p2p_ops``,
   lines 64-76, ``WORLD`` "to allow the overlap of the independent communications");
-* an exchange posts its sends, then its receives, and waits for the receives only; the sends
+* an exchange posts its sends, then its receives (unless posted already), then the *next*
+  exchange's receives, and waits for its own receives only: a receive is posted one compute
+  ahead of its wait, so its transfer overlaps that compute (``torch.distributed.pipelining``
+  posts receives as early as its schedule allows, ``_add_send_recv``; each channel's receives
+  stay in order on its own stream, so this adds no wait to the stream model); the sends
   complete in the background and are waited for when the step ends (:meth:`finish_sends`), as
   ``torch.distributed.pipelining``'s runtime does for its zero-bubble schedules (torch 2.13
   pipelining/schedules.py: ``_PipelineScheduleRuntime._step_microbatches`` keeps ``send_ops``
@@ -79,27 +83,32 @@ class P2PCommunicator:
         self.ranks = topo.rank_lists["pp"]
         self.groups = channel_groups(topo) if topo.pp > 1 else ()
         self._sent = []  # [(send work, the tensor it reads)] not yet seen complete
+        self._ahead = {}  # key -> (receive work, buffer) posted ahead of its exchange
         self._connected = False
 
     def _group(self, src: int, dst: int):
         return self.groups[channel_class(self.topo.pp, src, dst)]
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[int]) -> list[torch.Tensor]:
-        """Post every send ``(tensor, peer pipeline rank)``, then one receive per peer in
-        ``recvs``, each a single op on its channel's communicator; wait for the receives and
-        return the received tensors in ``recvs`` order.  The sends complete in the background
-        (a zero-bubble plan may send before its peer posts the receive): each is kept, with the
-        storage it reads, until :meth:`finish_sends` (or a later exchange) sees it done."""
-        out = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list, ahead: list = ()) -> list[torch.Tensor]:
+        """Post every send ``(tensor, peer pipeline rank)``, then the receives ``recvs`` -- ``(key,
+        peer)`` pairs, ``key`` naming the message (a bare peer: unnamed) -- each a single op on its
+        channel's communicator unless an earlier exchange posted it ahead; then post ``ahead``
+        (the next exchange's receives, ``(key, peer)``: their transfer overlaps the compute in
+        between, as ``torch.distributed.pipelining`` posts its receives as early as it can); wait
+        for ``recvs`` only and return their tensors in order.  A channel's receives are so still
+        posted in its order.  The sends complete in the background (a zero-bubble plan may send
+        before its peer posts the receive): each is kept, with the storage it reads, until
+        :meth:`finish_sends` (or a later exchange) sees it done."""
+        recvs = [r if isinstance(r, tuple) else (None, r) for r in recvs]
         for tensor, _ in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise ValueError(f"pipeline rank {self.topo.pp_rank}: sending {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {self.shape} {self.dtype} (--seq-length/--micro-batch-size/--hidden-size)")
         self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
-        if not sends and not recvs:
-            return out
+        if not sends and not recvs and not ahead:
+            return []
         me = self.topo.pp_rank
-        peers = sorted({self.ranks[p] for _, p in sends} | {self.ranks[p] for p in recvs})
+        peers = sorted({self.ranks[p] for _, p in sends} | {self.ranks[p] for _, p in list(recvs) + list(ahead)})
         with self._named(peers):
             if not self._connected:
                 self._connect()
@@ -107,11 +116,24 @@ class P2PCommunicator:
                 # an alias: the caller may swap the sent tensor's storage out, the alias keeps it
                 t = tensor.detach().contiguous()
                 self._sent.append((dist.isend(t, dst=self.ranks[peer], group=self._group(me, peer)), t))
-            works = [dist.irecv(buf, src=self.ranks[peer], group=self._group(peer, me))
-                     for buf, peer in zip(out, recvs)]
-            for work in works:
+            posted = [self._ahead.pop(key) if key is not None and key in self._ahead else self._post_recv(peer)
+                      for key, peer in recvs]
+            for key, peer in ahead:
+                if key not in self._ahead:
+                    self._ahead[key] = self._post_recv(peer)
+            for work, _ in posted:
                 work.wait()
-        return out
+        return [buf for _, buf in posted]
+
+    def _post_recv(self, peer: int) -> tuple:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        me = self.topo.pp_rank
+        return dist.irecv(buf, src=self.ranks[peer], group=self._group(peer, me)), buf
+
+    @property
+    def receives_ahead(self) -> int:
+        """Receives posted ahead and not yet taken by an exchange (0 after a whole step)."""
+        return len(self._ahead)
 
     def _connect(self) -> None:
         """One message on each of this rank's channels (to and from ``(r +- 1) % PP``), class by

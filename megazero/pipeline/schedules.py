@@ -118,7 +118,9 @@ class _Step:
         if (mb, c) in self.deferred:
             self.landed += self.stores[c].run(mb)
 
-    def exchange(self, ops):
+    def exchange(self, ops, ahead=()):
+        """COMM: hand-overs inside the rank, then the sends and receives with other ranks; ``ahead``:
+        the next COMM's receive ops, posted now (:meth:`~.p2p.P2PCommunicator.exchange`)."""
         me = self.topo.pp_rank
         sends = [op for op in ops if op.op == "send"]
         for op in sends:
@@ -127,7 +129,9 @@ class _Step:
         sends = [op for op in sends if op.peer != me]
         recv_ops = [op for op in ops if op.op == "recv" and op.peer != me]
         tensors = [self.to_send.pop((op.what, op.mb, op.chunk)) for op in sends]
-        received = self.comm.exchange(list(zip(tensors, [op.peer for op in sends])), [op.peer for op in recv_ops])
+        received = self.comm.exchange(list(zip(tensors, [op.peer for op in sends])),
+                                      [(op.key, op.peer) for op in recv_ops],
+                                      [(op.key, op.peer) for op in ahead if op.op == "recv" and op.peer != me])
         for tensor, op in zip(tensors, sends):
             if op.what == "act" and tensor._base is None:  # free the sent activation's storage
                 tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)  # (a view's base
@@ -147,7 +151,8 @@ class _Step:
             trace.begin(self.topo, schedule_name(self.topo.pp, self.vp, _schedule(self.topo)), self.m, self.vp)
         if not self.forward_only:
             self.deferred = {(mb, c) for mb, c in split_backwards(plan) if self.stores[c] is not None}
-        for a in plan:
+        ahead = _next_comms(plan)
+        for i, a in enumerate(plan):
             t = clock() if trace is not None else 0.0
             if a.kind == "F":
                 self.forward(a.mb, a.chunk)
@@ -156,11 +161,11 @@ class _Step:
             elif a.kind == "W":
                 self.weight(a.mb, a.chunk)
             else:
-                self.exchange(a.ops)
+                self.exchange(a.ops, ahead[i])
             if trace is not None:
                 trace.record(a, t, clock())
         self.comm.finish_sends()
-        if self.to_send or self.edges or self.seeds or self.out_grads or self.handed or \
+        if self.to_send or self.edges or self.seeds or self.out_grads or self.handed or self.comm.receives_ahead or \
                 any(s.pending() for s in self.stores if s is not None):
             raise RuntimeError("pipeline plan left work undone (internal error)")
         return self.losses
@@ -232,6 +237,16 @@ class PipelineRunner:
             stats.update(schedule=self.schedule, max_in_flight=step.max_live, deferred_weight_grads=step.landed,
                          warmup=warmup_count(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank))
         return losses
+
+
+def _next_comms(plan) -> list[tuple]:
+    """Per action of ``plan``: the ops of the COMM after it when it is a COMM (else ``()``) -- the
+    receives an exchange posts ahead of their own."""
+    out, later = [()] * len(plan), ()
+    for i in range(len(plan) - 1, -1, -1):
+        if plan[i].kind == "COMM":
+            out[i], later = later, plan[i].ops
+    return out
 
 
 def _schedule(topo) -> str | None:

@@ -26,13 +26,15 @@ Postings (``units`` below), for a plan's COMM (sends of the step before, receive
 * ``"channels"`` -- what :class:`~.p2p.P2PCommunicator` posts: single ops, the channel ``src ->
   dst`` on communicator :func:`channel_class`, of which each rank uses at most one per class, so
   that every stream -- under either rule above -- carries one channel in one direction, in
-  order; receives waited before the next compute, sends at the end of the step.  A blocked send
-  then holds up only later sends of its channel, whose receives come later anyway: the plans
-  that are deadlock-free with sends in the background (:func:`~.simulate.simulate`) are so here.
+  order; receives waited before the next compute, sends at the end of the step; each COMM also
+  posts the next COMM's receives (waited there), so their transfer overlaps the compute in
+  between -- a channel's receives stay in its order on its own stream.  A blocked send (or an
+  early receive) then holds up only later ops of its channel, which come later anyway: the
+  plans that are deadlock-free with sends in the background (:func:`~.simulate.simulate`) are so here.
 * ``strict`` (with ``"channels"``): the rank itself waits for a channel's previous send before it
-  posts the next one (what a CPU-blocking wait on a send would do). Deadlocks ``interleaved-zb``,
-  ``zbv``, ``dualpipev`` and interleaved 1F1B at small M: the communicator never waits for a
-  send before the step ends (NCCL's CPU never does; gloo's would).
+  posts the next one (what a CPU-blocking wait on a send would do). Deadlocks ``interleaved-zb``
+  (``zbv`` and ``dualpipev`` too, but for the receives posted ahead): the communicator never
+  waits for a send before the step ends (NCCL's CPU never does; gloo's would).
 """
 
 from __future__ import annotations
@@ -113,18 +115,38 @@ class _Unit:
         return len(self.fired) == len(self.keys)
 
 
-def _post(r, pc, a, pos, posting, strict, queues, where, state) -> bool:
-    """Post the units of COMM ``a`` (action ``pc`` of rank ``r``) onto ``r``'s stream queues, in
+def _comm_state(r, plan, pc, posting, pp, early) -> list:
+    """``[units, 0, units to wait for]`` of rank ``r``'s COMM ``plan[pc]``: its units ``(stream,
+    op indices, waited, action index)`` still to post -- with ``"channels"``, its receives posted
+    ahead by the COMM before are only waited, and the next COMM's receives are posted ahead
+    (``early`` keeps those units by ``(action index, op index)`` until their COMM)."""
+    own, waited = [], []
+    for stream, js, wait in units(r, plan[pc].ops, posting, pp):
+        if (pc, js[0]) in early:
+            waited.append(early.pop((pc, js[0])))
+        else:
+            own.append((stream, js, wait, pc))
+    if posting == "channels":
+        nxt = next((i for i in range(pc + 1, len(plan)) if plan[i].kind == "COMM"), None)
+        if nxt is not None:
+            own += [(stream, js, False, nxt) for stream, js, _ in units(r, plan[nxt].ops, posting, pp)
+                    if plan[nxt].ops[js[0]].op == "recv"]
+    return [own, 0, waited]
+
+
+def _post(r, plan, pos, strict, queues, where, state, early) -> bool:
+    """Post the units of ``state`` (:func:`_comm_state`, rank ``r``) onto ``r``'s stream queues, in
     order; ``state`` = ``[units, next index, units to wait for]`` carries a partly posted COMM
     (``strict``: a send waits for its channel's previous send first). True once all are posted."""
-    plan, i, waited = state
-    while i < len(plan):
-        stream, js, wait = plan[i]
-        if strict and a.ops[js[0]].op == "send" and queues.get((r, stream)):
+    todo, i, waited = state
+    while i < len(todo):
+        stream, js, wait, pc = todo[i]
+        ops = plan[pc].ops
+        if strict and ops[js[0]].op == "send" and queues.get((r, stream)):
             break
         keys = []
         for j in js:
-            op = a.ops[j]
+            op = ops[j]
             ch = (r, op.peer) if op.op == "send" else (op.peer, r)
             keys.append((ch, op.op, pos[(r, pc, j)]))
         u = _Unit((r, stream), keys)
@@ -133,9 +155,11 @@ def _post(r, pc, a, pos, posting, strict, queues, where, state) -> bool:
         queues.setdefault(u.stream, []).append(u)
         if wait:
             waited.append(u)
+        elif ops[js[0]].op == "recv":  # posted ahead: waited at its own COMM
+            early[(pc, js[0])] = u
         i += 1
     state[1] = i
-    return i == len(plan)
+    return i == len(todo)
 
 
 def _fire(queues, where) -> bool:
@@ -168,6 +192,7 @@ def check_streams(plans, posting: str = "channels", strict: bool = False) -> Non
     raises too when a channel's sends and receives do not match in order."""
     pos = channel_positions(plans)
     pcs, states = [0] * len(plans), [None] * len(plans)
+    early: list[dict] = [{} for _ in plans]  # per rank: receive units posted ahead of their COMM
     queues: dict = {}
     where: dict = {}
     while True:
@@ -177,9 +202,9 @@ def check_streams(plans, posting: str = "channels", strict: bool = False) -> Non
                 a = plan[pcs[r]]
                 if a.kind == "COMM":
                     if states[r] is None:
-                        states[r] = [units(r, a.ops, posting, len(plans)), 0, []]
+                        states[r] = _comm_state(r, plan, pcs[r], posting, len(plans), early[r])
                     before = states[r][1]
-                    posted = _post(r, pcs[r], a, pos, posting, strict, queues, where, states[r])
+                    posted = _post(r, plan, pos, strict, queues, where, states[r], early[r])
                     moved = moved or states[r][1] > before
                     if not posted or not all(u.done for u in states[r][2]):
                         break

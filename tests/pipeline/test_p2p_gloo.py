@@ -1,7 +1,8 @@
 """The communicator's NCCL posting run on gloo (there is no backend branch: NCCL gets the same
 calls): every schedule at PP 4 (4 channel classes) and PP 3 (6, the wrap pair coloured apart)
 equals one process under a short collective timeout, on a backend whose sends -- like NCCL's
--- complete only when the receive is posted (checked here, not assumed)."""
+-- complete only when the receive is posted (checked here, not assumed); each exchange posts the
+next one's receives ahead, and none is left after a step."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ def test_gloo_send_completes_only_when_received():
     assert launch(_send_waits_for_receive, 2, timeout_s=30)[0] >= 0.4
 
 
+class _AheadProbe:
+    """A duck-typed trace: the most receives the communicator held posted ahead after a COMM."""
+
+    def __init__(self, runner):
+        self.runner, self.peak = runner, 0
+
+    def begin(self, *args):
+        pass
+
+    def record(self, action, start, end):
+        if action.kind == "COMM":
+            self.peak = max(self.peak, self.runner.comm.receives_ahead)
+
+
 def _schedules(rank, world, m):
     from megazero.parallel.layout import chunk_placement
     from megazero.pipeline import PipelineRunner
@@ -47,13 +62,15 @@ def _schedules(rank, world, m):
         ref_losses, ref_grads = reference(16, 8, 24, False, batches)
         chunks = toy_chunks(16, 8, 24, world, vp, topo.pp_rank, False, placement=chunk_placement(schedule))
         runner = PipelineRunner(topo, m, (4, 2, 8), torch.float32)
-        losses = runner.run(chunks, batches, toy_step)
+        probe = _AheadProbe(runner)
+        losses = runner.run(chunks, batches, toy_step, trace=probe)
         errs = {"loss": rel_err(torch.stack(losses), ref_losses)} if topo.is_last_stage else {}
         errs.update({k: rel_err(g, ref_grads[k]) for c in chunks for k, g in c.named_grads().items()})
         evals = runner.run(chunks, batches, toy_step, forward_only=True)
         if topo.is_last_stage:
             errs["eval"] = rel_err(torch.stack(evals), ref_losses)
-        out[schedule] = (errs, len(runner.comm.groups), runner.comm.sends_in_flight == 0)
+        out[schedule] = (errs, len(runner.comm.groups), runner.comm.sends_in_flight == 0,
+                         (probe.peak, runner.comm.receives_ahead))
     return out
 
 
@@ -61,8 +78,9 @@ def _check(results, pp):
     for schedule in SCHEDULES:
         assert sum("loss" in r[schedule][0] for r in results) == 1
         for rank, r in enumerate(results):
-            errs, groups, drained = r[schedule]
+            errs, groups, drained, (ahead, left) = r[schedule]
             assert groups == channel_classes(pp) and drained, (rank, schedule)
+            assert ahead >= 1 and left == 0, (rank, schedule, ahead, left)  # receives posted a COMM ahead
             assert all(v <= 1e-5 for v in errs.values()), (rank, schedule, errs)
 
 
