@@ -1,8 +1,9 @@
 """Incremental decoding for multi-latent attention: the cache holds the compressed latent, not K/V.
 
 An MLA layer (:mod:`megazero.model.mla`) derives every head's key and value from two small
-per-token vectors: ``c_kv`` (the key/value latent after its norm, ``kv_lora_rank`` numbers) and
-``k_r`` (the RoPE key part shared by all heads, after RoPE, ``qk_pos_emb_head_dim`` numbers).
+per-token vectors: ``c_kv`` (the key/value latent after its norm, ``r = kv_lora_rank`` numbers) and
+``k_r`` (the RoPE key part shared by all heads, after RoPE, ``d_r = qk_pos_emb_head_dim`` numbers;
+the head sizes ``d_n, d_q, d_v`` as in :mod:`megazero.model.mla`).
 :class:`LatentCache` keeps exactly those, per layer ``[b, max_len, kv_lora_rank]`` and ``[b,
 max_len, qk_pos_emb_head_dim]`` -- on every TP rank whole (the latent is replicated; each rank
 expands its own heads from it) -- instead of the ``H/p (d_q + d_v)`` numbers per token of a K/V
@@ -22,8 +23,8 @@ prefill, one token per row: megatron-core's ``is_decode_only``) absorbs ``kv_up`
     expanded   2 t r H/p (d_n + d_v)  +  2 t H/p (d_q + d_v)          (kv_up over the cache + attention)
     absorbed   2 H/p d_n r + 2 H/p r d_v  +  2 t H/p (2 r + d_r)      (absorb q, o + attention)
 
-so the absorbed step grows with ``t`` as ``2 t H/p (2 r + d_r)`` only: ``(d_n + d_v) r`` times less
-than the expansion (DeepSeek-V3 per head: 1152 against 131072 + 448 per cached token).
+so per cached token and head the absorbed step costs ``2 r + d_r`` multiply-adds against ``r (d_n +
+d_v) + d_q + d_v`` (DeepSeek-V3: 1088 against 131392, 121x fewer).
 
 Per token and layer, with ``A`` bytes per value::
 
