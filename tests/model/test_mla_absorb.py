@@ -97,14 +97,16 @@ def test_bf16_absorbed_logits_as_close_to_fp32_as_the_expanded_ones():
 
 
 def test_absorbed_attention_is_exact_for_chunks_after_a_prefix():
+    """Prefill 4, a chunk of 3, one token; ``kv_up`` changed in place between steps (the absorbed
+    weights are read at each call: nothing stale)."""
     cfg = config()
     layer = MultiLatentAttention(cfg, 0, None, RNGTracker(1, 0), "cpu").eval()
     torch.manual_seed(1)
-    x = torch.randn(7, 2, cfg.hidden_size)
-    for valid in (None, torch.tensor([[False, False, True, True, True, True, True]] + [[True] * 7])):
-        cache = LatentCache(2, 7, config=cfg)
+    x = torch.randn(8, 2, cfg.hidden_size)
+    for valid in (None, torch.tensor([[False, False, True, True, True, True, True, True]] + [[True] * 8])):
+        cache = LatentCache(2, 8, config=cfg)
         with torch.no_grad():
-            for lo, hi in ((0, 4), (4, 7)):
+            for lo, hi in ((0, 4), (4, 7), (7, 8)):
                 pos = cache.prepare(None if valid is None else valid[:, lo:hi], step_len=hi - lo)
                 q, c_kv, k_r = layer.latents(x[lo:hi], mla_rope_cos_sin(pos, cfg, torch.float32))
                 c_all, k_all = cache.update_latent(0, c_kv.transpose(0, 1), k_r[:, 0])
@@ -113,6 +115,7 @@ def test_absorbed_attention_is_exact_for_chunks_after_a_prefix():
                 got = layer.absorbed_attention(q, cache)
                 assert (got - want).abs().max() < 1e-5 * want.abs().max()
                 cache.advance()
+                layer.kv_up.weight.mul_(1.5)
 
 
 def test_decode_only_steps_absorb():
