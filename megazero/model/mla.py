@@ -37,8 +37,11 @@ along the sequence, and ``k_r`` is all-gathered (backward: reduce-scatter). Mega
 take one head size, so the narrower of ``q, k`` and ``v`` is zero-padded (exact).
 
 **Generation** caches the latent, not K/V: per layer and token ``c_kv`` (after its norm) and the
-rotated ``k_r`` -- ``r_kv + d_r`` numbers instead of ``H (d_q + d_v)`` -- and re-expands them with
-``kv_up`` each step (:mod:`megazero.inference.latent_cache`; no weight absorption).
+rotated ``k_r`` -- ``r_kv + d_r`` numbers instead of ``H (d_q + d_v)``
+(:mod:`megazero.inference.latent_cache`). The prefill (and any step of several tokens) expands them
+with ``kv_up``; a decode step (one new token per row after the prefill: Megatron's
+``is_decode_only``) absorbs ``kv_up`` into the query and the output instead
+(:meth:`MultiLatentAttention.absorbed_attention`), attending over the cache directly.
 
 Parameter names (this module / Hugging Face ``DeepseekV3Attention`` / Megatron ``MLASelfAttention``):
 ``q_down`` / ``q_a_proj`` / ``linear_q_down_proj``; ``q_norm`` / ``q_a_layernorm`` / ``q_layernorm``;
@@ -185,6 +188,19 @@ class MultiLatentAttention(nn.Module):
         k_n, v = self._heads(self.kv_up(c_kv), self.d_n + self.d_v).split([self.d_n, self.d_v], dim=-1)
         return torch.cat([k_n, k_r.expand(-1, self.heads, -1, -1)], dim=-1), v
 
+    def absorbed_attention(self, q, cache):
+        """Attention over the layer's cached latents without expanding them (weight absorption).
+        With head ``h``'s rows of ``kv_up`` ``[W_uk_h; W_uv_h]`` (``[d_n, r]``, ``[d_v, r]``: a view of
+        this rank's weight, read at each call, so never stale): ``q_n k_n^T = (q_n W_uk_h) c_kv^T`` and
+        ``P v = (P c_kv) W_uv_h^T``, so ``o_h = softmax([q_n W_uk_h; q_r] [c_kv; k_r]^T scale + mask)
+        c_kv W_uv_h^T`` -- one key/value head shared by all heads (MQA, key width ``r + d_r``, value
+        ``r``), the same ``scale``; ``q [b, H/p, s, d_q]`` -> ``[b, H/p, s, d_v]``."""
+        w = self.kv_up.weight.view(self.heads, self.d_n + self.d_v, self.config.kv_lora_rank)
+        q_n, q_r = q.split([self.d_n, self.d_r], dim=-1)
+        q_latent = torch.cat([torch.matmul(q_n, w[:, :self.d_n]), q_r], dim=-1)  # [b, H/p, s, r + d_r]
+        o_latent = cache.attend_latent(self.layer_number, q_latent, self.scale)  # [b, H/p, s, r]
+        return torch.matmul(o_latent, w[:, self.d_n:].transpose(1, 2))
+
     def core_attention(self, q, k, v, attention_mask=None):
         """``softmax(q k^T scale + mask) v`` (mask: Megatron's True = not attended; None: causal);
         with attention dropout (training) explicitly, the mask drawn from the TP generator."""
@@ -223,8 +239,11 @@ class MultiLatentAttention(nn.Module):
                 raise ValueError("multi-latent attention generates with megazero.inference.latent_cache.LatentCache "
                                  "(it caches the compressed latent, not K/V)")
             c_all, k_r = inference_cache.update_latent(self.layer_number, c_kv.transpose(0, 1), k_r[:, 0])
-            k, v = self.expand(c_all.transpose(0, 1), k_r.unsqueeze(1))
-            ctx = inference_cache.attend(self.prescaled(q), k, v)
+            if inference_cache.absorbs():
+                ctx = self.absorbed_attention(q, inference_cache)
+            else:
+                k, v = self.expand(c_all.transpose(0, 1), k_r.unsqueeze(1))
+                ctx = inference_cache.attend(self.prescaled(q), k, v)
         else:
             k, v = self.expand(c_kv, k_r)
             if self.cp > 1:

@@ -1,6 +1,7 @@
 """Generation with multi-latent attention: the cache holds the compressed latent (``kv_lora_rank`` +
 the RoPE key part per token and layer, no K/V), and greedy decoding with it equals the full forward
-recomputed at every step -- batched with left padding, without the cache, and at TP 2."""
+recomputed at every step -- batched with left padding, without the cache, and at TP 2 (decode steps
+absorb ``kv_up``: tests/model/test_mla_absorb.py)."""
 
 import torch
 
