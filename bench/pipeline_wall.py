@@ -62,11 +62,20 @@ def _batches(m, b, s):
              "loss_mask": torch.ones(b, s)} for _ in range(m)]
 
 
-def _variant(world, rank, schedule, args):
+def _variant(world, rank, schedule, args, models: dict):
+    """Schedule ``schedule``'s timed step. Schedules that split the model the same way (1F1B and
+    ZB-H1; ZBV and DualPipeV) run the same model instance from ``models`` (keyed by VP and
+    placement), as a user switching schedules would: their compute is then the same tensors in
+    the same memory, and an instance whose memory happens to run a few % slower cannot pose as
+    a schedule's effect."""
     from megazero.model.stages import gpt_stages
+    from megazero.pipeline import placement
     vp = 1 if schedule in ("1f1b", "zb-h1") else 2
     topo = Topology(world, rank, pp=world, vp=vp, pipeline_schedule=schedule).create_groups()
-    stages = gpt_stages(_config(args.hidden, args.seq, 2 * world), topo, args.micro_batch)
+    key = (vp, placement(schedule))
+    if key not in models:
+        models[key] = gpt_stages(_config(args.hidden, args.seq, 2 * world), topo, args.micro_batch)
+    stages = models[key]
     runner = PipelineRunner(topo, args.micro_batches, stages.activation_shape, stages.activation_dtype)
     mbs = _batches(args.micro_batches, args.micro_batch, args.seq)
 
@@ -194,7 +203,8 @@ def _bench(rank, world, args):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     names = ["1f1b"] + args.schedules
-    steps = {name: _variant(world, rank, name, args) for name in names}
+    models: dict = {}
+    steps = {name: _variant(world, rank, name, args, models) for name in names}
     for fn in steps.values():
         fn()  # warm-up (allocations, first-touch)
     phases = {}
