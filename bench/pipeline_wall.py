@@ -3,29 +3,19 @@
     PYTHONPATH=. .venv/bin/python bench/pipeline_wall.py [--rounds 7] [--steps 3] [--hidden 256]
         [--seq 128] [--micro-batches 8] [--schedules zb-h1,zbv] [--pace 4 8 [--pace-rounds 9]]
 
-Real compute: megazero's GPT (``gpt_stages``: TP/SP linears, attention, MLP, the embedding and
-the untied output layer), ``2 PP`` layers so every virtual stage of the V has one layer and
-every 1F1B stage two (stage times comparable; a small vocabulary so the embedding and the head
-weigh little), through ``PipelineRunner`` with the chunks' ``weight_grad_stores`` (split
-backward: each B computes input gradients, each W weight gradients). One thread per rank.
+Real compute: megazero's GPT (``gpt_stages``, untied, a small vocabulary), ``2 PP`` layers so a
+chunk of the V has one layer and a 1F1B stage two, through ``PipelineRunner`` with the chunks'
+``weight_grad_stores`` (each B input gradients, each W weight gradients). One thread per rank.
 
-Design: alternating paired rounds. Round ``i`` times 1F1B and schedule X back to back (X first
-on odd rounds), ``--steps`` iterations each after one warm-up, the iteration time being rank 0's
-time between two barriers (so the slowest rank's); the round's ratio is X's median over 1F1B's
-median, and the figure is the median of the rounds' ratios. Each rank also times its own F, B
-and W (``ScheduleTrace``) so the simulator's prediction for the measured ``t_f, t_b, t_w`` is
-printed beside the measured ratio.
-
-Read with the host in mind: PP ranks on fewer cores share them, and a rank idle in 1F1B's bubble
-then gives its core to a busy one -- the bubble a zero-bubble schedule removes is partly not a
-loss on such a host, so the measured ratio stays above the simulator's (with 4 ranks on 2 cores
-every schedule is CPU-bound: docs/benchmarks.md).
+Alternating paired rounds: round ``i`` times 1F1B and schedule X back to back (X first on odd
+rounds), ``--steps`` iterations each (rank 0's time between two barriers); the figure is the
+median of the rounds' ratios X / 1F1B, printed beside the simulator's for each rank's traced
+F, B and W. With fewer cores than ranks a rank idle in 1F1B's bubble lends its core to a busy
+one, so no schedule can show its gain (4 ranks on 2 cores: CPU-bound, docs/benchmarks.md).
 
 ``--pace K``: dedicated-device emulation (:class:`PacedTrace`): every F, B and W runs its real
-compute, then holds its rank to ``K x`` that action's calibrated compute time (:func:`_calibrate_ranks`,
-each rank alone), so the ranks never contend for cores; p2p and the runner's work between actions
-run at their real cost. Paired rounds as above, one step each, ``--pace-rounds`` per K; the
-simulator's ratio for the calibrated times is printed beside it.
+compute, then holds its rank to ``K x`` its calibrated time (:func:`_calibrate_ranks`, each rank
+alone), so the ranks never contend for cores; p2p and the runner's work run at their real cost.
 """
 
 from __future__ import annotations
