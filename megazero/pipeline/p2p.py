@@ -89,9 +89,10 @@ class P2PCommunicator:
     def _group(self, src: int, dst: int):
         return self.groups[channel_class(self.topo.pp, src, dst)]
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list, ahead: list = ()) -> list[torch.Tensor]:
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple], ahead: list[tuple] = ()) \
+            -> list[torch.Tensor]:
         """Post every send ``(tensor, peer pipeline rank)``, then the receives ``recvs`` -- ``(key,
-        peer)`` pairs, ``key`` naming the message (a bare peer: unnamed) -- each a single op on its
+        peer)`` pairs, ``key`` naming the message (``P2P.key``) -- each a single op on its
         channel's communicator unless an earlier exchange posted it ahead; then post ``ahead``
         (the next exchange's receives, ``(key, peer)``: their transfer overlaps the compute in
         between, as ``torch.distributed.pipelining`` posts its receives as early as it can); wait
@@ -99,7 +100,6 @@ class P2PCommunicator:
         posted in its order.  The sends complete in the background (a zero-bubble plan may send
         before its peer posts the receive): each is kept, with the storage it reads, until
         :meth:`finish_sends` (or a later exchange) sees it done."""
-        recvs = [r if isinstance(r, tuple) else (None, r) for r in recvs]
         for tensor, _ in sends:
             if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
                 raise ValueError(f"pipeline rank {self.topo.pp_rank}: sending {tuple(tensor.shape)} {tensor.dtype}, "
@@ -108,7 +108,7 @@ class P2PCommunicator:
         if not sends and not recvs and not ahead:
             return []
         me = self.topo.pp_rank
-        peers = sorted({self.ranks[p] for _, p in sends} | {self.ranks[p] for _, p in list(recvs) + list(ahead)})
+        peers = sorted({self.ranks[p] for _, p in [*sends, *recvs, *ahead]})
         with self._named(peers):
             if not self._connected:
                 self._connect()
@@ -116,8 +116,7 @@ class P2PCommunicator:
                 # an alias: the caller may swap the sent tensor's storage out, the alias keeps it
                 t = tensor.detach().contiguous()
                 self._sent.append((dist.isend(t, dst=self.ranks[peer], group=self._group(me, peer)), t))
-            posted = [self._ahead.pop(key) if key is not None and key in self._ahead else self._post_recv(peer)
-                      for key, peer in recvs]
+            posted = [self._ahead.pop(key) if key in self._ahead else self._post_recv(peer) for key, peer in recvs]
             for key, peer in ahead:
                 if key not in self._ahead:
                     self._ahead[key] = self._post_recv(peer)

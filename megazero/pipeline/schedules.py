@@ -41,6 +41,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .p2p import P2PCommunicator
 from .plan import build_plan, schedule_name, split_backwards, warmup_count
+from .streams import next_comms
 
 
 class _Step:
@@ -151,7 +152,7 @@ class _Step:
             trace.begin(self.topo, schedule_name(self.topo.pp, self.vp, _schedule(self.topo)), self.m, self.vp)
         if not self.forward_only:
             self.deferred = {(mb, c) for mb, c in split_backwards(plan) if self.stores[c] is not None}
-        ahead = _next_comms(plan)
+        nexts = next_comms(plan)
         for i, a in enumerate(plan):
             t = clock() if trace is not None else 0.0
             if a.kind == "F":
@@ -161,7 +162,7 @@ class _Step:
             elif a.kind == "W":
                 self.weight(a.mb, a.chunk)
             else:
-                self.exchange(a.ops, ahead[i])
+                self.exchange(a.ops, () if nexts[i] is None else plan[nexts[i]].ops)
             if trace is not None:
                 trace.record(a, t, clock())
         self.comm.finish_sends()
@@ -237,16 +238,6 @@ class PipelineRunner:
             stats.update(schedule=self.schedule, max_in_flight=step.max_live, deferred_weight_grads=step.landed,
                          warmup=warmup_count(self.topo.pp, self.topo.vp, key[0], self.topo.pp_rank))
         return losses
-
-
-def _next_comms(plan) -> list[tuple]:
-    """Per action of ``plan``: the ops of the COMM after it when it is a COMM (else ``()``) -- the
-    receives an exchange posts ahead of their own."""
-    out, later = [()] * len(plan), ()
-    for i in range(len(plan) - 1, -1, -1):
-        if plan[i].kind == "COMM":
-            out[i], later = later, plan[i].ops
-    return out
 
 
 def _schedule(topo) -> str | None:

@@ -115,22 +115,31 @@ class _Unit:
         return len(self.fired) == len(self.keys)
 
 
-def _comm_state(r, plan, pc, posting, pp, early) -> list:
+def next_comms(plan) -> list:
+    """Per action of ``plan``: for a COMM, the index of the plan's next COMM (None: the last);
+    None for a compute. The receives of that next COMM are the ones a COMM posts ahead."""
+    out, later = [None] * len(plan), None
+    for i in range(len(plan) - 1, -1, -1):
+        if plan[i].kind == "COMM":
+            out[i], later = later, i
+    return out
+
+
+def _comm_state(r, plan, pc, posting, pp, early, nxt) -> list:
     """``[units, 0, units to wait for]`` of rank ``r``'s COMM ``plan[pc]``: its units ``(stream,
     op indices, waited, action index)`` still to post -- with ``"channels"``, its receives posted
     ahead by the COMM before are only waited, and the next COMM's receives are posted ahead
-    (``early`` keeps those units by ``(action index, op index)`` until their COMM)."""
+    (``early`` keeps those units by ``(action index, op index)`` until their COMM; ``nxt``: the
+    next COMM's index, :func:`next_comms`)."""
     own, waited = [], []
     for stream, js, wait in units(r, plan[pc].ops, posting, pp):
         if (pc, js[0]) in early:
             waited.append(early.pop((pc, js[0])))
         else:
             own.append((stream, js, wait, pc))
-    if posting == "channels":
-        nxt = next((i for i in range(pc + 1, len(plan)) if plan[i].kind == "COMM"), None)
-        if nxt is not None:
-            own += [(stream, js, False, nxt) for stream, js, _ in units(r, plan[nxt].ops, posting, pp)
-                    if plan[nxt].ops[js[0]].op == "recv"]
+    if posting == "channels" and nxt is not None:
+        own += [(stream, js, False, nxt) for stream, js, _ in units(r, plan[nxt].ops, posting, pp)
+                if plan[nxt].ops[js[0]].op == "recv"]
     return [own, 0, waited]
 
 
@@ -193,6 +202,7 @@ def check_streams(plans, posting: str = "channels", strict: bool = False) -> Non
     pos = channel_positions(plans)
     pcs, states = [0] * len(plans), [None] * len(plans)
     early: list[dict] = [{} for _ in plans]  # per rank: receive units posted ahead of their COMM
+    nexts = [next_comms(plan) for plan in plans]
     queues: dict = {}
     where: dict = {}
     while True:
@@ -202,7 +212,7 @@ def check_streams(plans, posting: str = "channels", strict: bool = False) -> Non
                 a = plan[pcs[r]]
                 if a.kind == "COMM":
                     if states[r] is None:
-                        states[r] = _comm_state(r, plan, pcs[r], posting, len(plans), early[r])
+                        states[r] = _comm_state(r, plan, pcs[r], posting, len(plans), early[r], nexts[r][pcs[r]])
                     before = states[r][1]
                     posted = _post(r, plan, pos, strict, queues, where, states[r], early[r])
                     moved = moved or states[r][1] > before
